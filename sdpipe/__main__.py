@@ -1,0 +1,5 @@
+import sys
+
+from sdpipe.cli import main
+
+sys.exit(main())

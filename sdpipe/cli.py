@@ -1,0 +1,152 @@
+"""The `sdpipe` command: one subcommand per pipeline stage (each Snakemake rule calls one) plus tools.
+
+A stage module exposes INPUTS and OUTPUTS (name -> default path) and run(cfg, inputs, outputs); this file turns
+those names into --flags. A UserError ends the command with one line on stderr and exit code 2; anything else is
+a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from sdpipe.errors import UserError
+
+STAGES = {
+    "prepare": "sdpipe.stages.prepare",
+    "caption": "sdpipe.stages.caption",
+    "latents": "sdpipe.stages.latents",
+}
+DEFAULT_CONFIG = "config/config.yaml"
+
+
+def _apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """--set section.key=value, the value parsed as YAML; the schema validates the result like any config."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects section.key=value, got {item!r}")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {key}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value)
+    return raw
+
+
+def load_config(path: str, overrides: list[str]):
+    from sdpipe import config
+
+    if not Path(path).is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    return config.from_dict(_apply_overrides(raw, overrides))
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default: {DEFAULT_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set latents.gpus=2 (repeatable)")
+
+
+def _add_stage(sub, name: str, module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+    _add_config_flags(p)
+    for kind, paths in (("input", module.INPUTS), ("output", module.OUTPUTS)):
+        for key, default in paths.items():
+            p.add_argument(f"--{key.replace('_', '-')}", dest=f"{kind}__{key}", default=default,
+                           help=f"{kind} path (default: {default})")
+    p.set_defaults(handler=_run_stage, module=module)
+
+
+def _run_stage(args) -> int:
+    cfg = load_config(args.config, args.set)
+    picked = lambda kind: {k.split("__", 1)[1]: Path(v) for k, v in vars(args).items() if k.startswith(kind + "__")}
+    args.module.run(cfg, picked("input"), picked("output"))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from sdpipe import demo
+
+    demo.generate(Path(args.out), count=args.count, seed=args.seed)
+    return 0
+
+
+def _cmd_build_model(args) -> int:
+    from sdpipe.models import presets
+
+    presets.build_and_save(args.preset, Path(args.out), seed=args.seed)
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    from sdpipe import doctor
+
+    return doctor.run(load_config(args.config, args.set), strict=args.strict)
+
+
+def _cmd_check_config(args) -> int:
+    load_config(args.config, args.set)
+    print(f"{args.config}: ok")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in STAGES.items():
+        _add_stage(sub, name, module_name)
+
+    p = sub.add_parser("demo", help="write the embedded demo dataset (coloured shapes, deterministic, offline)")
+    p.add_argument("--out", default="data/raw")
+    p.add_argument("--count", type=int, default=480)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_cmd_demo)
+
+    p = sub.add_parser("build-model", help="build a randomly initialised model preset and save it in diffusers format")
+    p.add_argument("--preset", required=True, choices=["tiny", "sd15", "sdxl"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_cmd_build_model)
+
+    p = sub.add_parser("doctor", help="report Python/torch/CUDA/GPUs/NCCL and whether the configured weights are found")
+    _add_config_flags(p)
+    p.add_argument("--strict", action="store_true", help="exit 1 if a needed weight is missing")
+    p.set_defaults(handler=_cmd_doctor)
+
+    p = sub.add_parser("check-config", help="validate a config file and exit")
+    _add_config_flags(p)
+    p.set_defaults(handler=_cmd_check_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sdpipe.log import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        print(f"sdpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        logging.getLogger("sdpipe").error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

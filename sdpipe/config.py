@@ -1,0 +1,239 @@
+"""Load config/config.yaml, validate it against the JSON schema, and expose it as typed dataclasses.
+
+The schema (workflow/schemas/config.schema.yaml) is the single source of truth for keys, defaults and allowed
+values; Snakemake validates against the same file when the workflow loads. The dataclasses give stage code
+attribute access and type hints.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from jsonschema import Draft202012Validator, validators
+
+from sdpipe.errors import UserError
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
+
+Gpus = int | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    raw_dir: str
+    caption_extensions: list[str]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    pretrained: str
+    build_preset: str | None
+    revision: str | None
+    variant: str | None
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    resolution: int
+    step: int
+    max_aspect: float
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    min_size: int
+    max_pixels: int
+    alpha_background: list[int]
+    eval_fraction: float
+    workers: int
+    buckets: BucketConfig
+
+
+@dataclass(frozen=True)
+class BlipConfig:
+    model: str
+    prompt: str | None
+    max_new_tokens: int
+    num_beams: int
+
+
+@dataclass(frozen=True)
+class ClipTagsConfig:
+    model: str
+    pretrained: str
+    model_config: str | None
+    vocabulary: list[str]
+    top_k: int
+    min_probability: float
+    prompt: str
+
+
+@dataclass(frozen=True)
+class CaptionConfig:
+    chain: list[str]
+    template: str
+    batch_size: int
+    gpus: Gpus
+    blip: BlipConfig
+    clip_tags: ClipTagsConfig
+
+
+@dataclass(frozen=True)
+class LatentsConfig:
+    dtype: str
+    batch_size: int
+    resize: str
+    crop: str
+    interpolation: str
+    flip: bool
+    gpus: Gpus
+    cpu_processes: int
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int
+    cache_dir: str
+    data: DataConfig
+    model: ModelConfig
+    prepare: PrepareConfig
+    caption: CaptionConfig
+    latents: LatentsConfig
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in schema defaults while it validates (the recipe from the jsonschema FAQ)."""
+    check_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from check_properties(validator, properties, instance, schema)
+
+    return validators.extend(validator_class, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(Draft202012Validator)
+
+
+def _key_of(error) -> str:
+    key = ""
+    for part in error.absolute_path:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return key.lstrip(".") or "(top level)"
+
+
+def _allowed(error) -> str:
+    """Say what the schema allows at the failing key, in words."""
+    schema, kind = error.schema, error.validator
+    if kind == "enum":
+        return f"one of {schema['enum']}"
+    if kind in ("minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "exclusiveMinimum"):
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        if lo is not None and hi is not None:
+            return f"a value from {lo} to {hi}"
+        return error.message.split(" is ", 1)[-1]
+    if kind == "type":
+        return f"a value of type {schema['type']}"
+    if kind == "additionalProperties":
+        return f"only the keys {sorted(schema.get('properties', {}))}"
+    if kind == "oneOf":
+        return " or ".join(_describe(s) for s in schema["oneOf"])
+    if kind == "pattern":
+        return f"a string matching {schema['pattern']!r}"
+    if kind == "uniqueItems":
+        return "a list without repeats"
+    return error.message
+
+
+def _describe(sub: dict) -> str:
+    if "$ref" in sub:
+        sub = load_schema()["definitions"][sub["$ref"].rsplit("/", 1)[-1]]
+        return " or ".join(_describe(s) for s in sub.get("oneOf", [sub]))
+    if "enum" in sub:
+        return f"one of {sub['enum']}"
+    kind = sub.get("type")
+    if kind == "null":
+        return "null"
+    if kind == "integer" and "minimum" in sub:
+        return f"an integer from {sub['minimum']} to {sub.get('maximum', 'any')}"
+    return f"a {kind}"
+
+
+def _format_error(error) -> str:
+    key = _key_of(error)
+    if error.validator == "additionalProperties":
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        where = f"{key}." if error.absolute_path else ""
+        return f"config: unknown key {where}{extra[0]}; allowed here: {sorted(error.schema['properties'])}"
+    return f"config: {key} = {error.instance!r} is not allowed; expected {_allowed(error)}"
+
+
+def validate_dict(raw: dict) -> dict:
+    """Validate a config dict (defaults filled in, in a copy). Raise UserError naming key, value and what's allowed."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    filled = copy.deepcopy(raw)
+    errors = sorted(_Validator(load_schema()).iter_errors(filled), key=lambda e: (list(e.absolute_path), e.message))
+    if errors:
+        raise UserError(_format_error(errors[0]))
+    return filled
+
+
+def _build(cls, values: dict):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "raw":
+            continue
+        value = values[f.name]
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            value = _build(f.type, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _resolve_types(cls) -> None:
+    hints = __import__("typing").get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        f.type = hints[f.name]
+        if dataclasses.is_dataclass(f.type):
+            _resolve_types(f.type)
+
+
+_resolve_types(Config)
+
+
+def from_dict(raw: dict) -> Config:
+    filled = validate_dict(raw)
+    cfg = _build(Config, filled)
+    object.__setattr__(cfg, "raw", filled)
+    return cfg
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    return from_dict(raw)

@@ -1,0 +1,87 @@
+"""Find model weights offline and hash them.
+
+A model is named by a local path or a hub id. Nothing here downloads: a hub id must already be in the Hugging Face
+cache (HF_HOME), or the user gets one line saying how to fetch it. Weight hashes are part of every cache key, so a
+cache is never reused across different weights; hashing a multi-GB file is slow, so hashes are memoised by
+(real path, size, mtime) in a small JSON file beside the caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sdpipe import hashing, io
+from sdpipe.errors import UserError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+CONFIG_NAMES = ("config.json", "model_index.json", "scheduler_config.json")
+
+
+def is_local(name: str) -> bool:
+    return Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~"))
+
+
+def resolve(name: str, revision: str | None = None) -> Path:
+    """A local folder or file for `name`: the path itself, or the hub id's snapshot in the local HF cache."""
+    if is_local(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise UserError(f"model path {name} does not exist")
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise UserError(f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
+                        f"run `huggingface-cli download {name}` (or set the config to a local folder)") from None
+
+
+def files_to_hash(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    chosen = [p for p in sorted(path.rglob("*")) if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_NAMES)]
+    if not chosen:
+        raise UserError(f"no weight files (*.safetensors, *.bin, ...) under {path}")
+    return chosen
+
+
+class HashMemo:
+    """sha256 of files, remembered by (real path, size, mtime_ns) so unchanged weights are hashed once."""
+
+    def __init__(self, memo_file: str | Path | None):
+        self.memo_file = Path(memo_file) if memo_file else None
+        self.memo: dict[str, str] = {}
+        if self.memo_file and self.memo_file.is_file():
+            try:
+                self.memo = json.loads(self.memo_file.read_text())
+            except (OSError, ValueError):
+                self.memo = {}
+
+    def file_hash(self, path: Path) -> str:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        key = f"{real}|{st.st_size}|{st.st_mtime_ns}"
+        if key not in self.memo:
+            self.memo[key] = hashing.sha256_file(real)
+            if self.memo_file:
+                io.write_json(self.memo_file, self.memo)
+        return self.memo[key]
+
+    def tree_hash(self, path: Path) -> str:
+        """One hash for a weights folder (or file): names relative to it, plus each file's content hash."""
+        root = path if path.is_dir() else path.parent
+        return hashing.key_of([(str(p.relative_to(root)), self.file_hash(p)) for p in files_to_hash(path)])
+
+
+def weights_hash(name: str, subfolder: str | None = None, revision: str | None = None,
+                 memo_file: str | Path | None = None) -> str:
+    path = resolve(name, revision)
+    if subfolder:
+        path = path / subfolder
+        if not path.exists():
+            raise UserError(f"model {name} has no {subfolder}/ folder")
+    return HashMemo(memo_file).tree_hash(path)
