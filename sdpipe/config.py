@@ -143,11 +143,17 @@ def _allowed(error) -> str:
     schema, kind = error.schema, error.validator
     if kind == "enum":
         return f"one of {schema['enum']}"
+    if kind in ("minLength", "minItems"):
+        return f"at least {schema[kind]} {'character' if kind == 'minLength' else 'item'}(s)"
     if kind in ("minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "exclusiveMinimum"):
         lo, hi = schema.get("minimum"), schema.get("maximum")
         if lo is not None and hi is not None:
             return f"a value from {lo} to {hi}"
-        return error.message.split(" is ", 1)[-1]
+        if lo is not None:
+            return f"a value >= {lo}"
+        if hi is not None:
+            return f"a value <= {hi}"
+        return error.message
     if kind == "type":
         return f"a value of type {schema['type']}"
     if kind == "additionalProperties":

@@ -52,3 +52,16 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
 def read_jsonl(path: str | Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_yaml(path: str | Path, obj: Any) -> None:
+    import yaml
+
+    write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def read_yaml(path: str | Path) -> Any:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)

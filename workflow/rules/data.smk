@@ -1,0 +1,71 @@
+# The data half of the DAG: raw images -> manifest -> captions -> latent and text-embedding cache.
+# Each stage is incremental on its own (content-addressed caches), so a rerun triggered by a touched file or a
+# DVC checkout costs a scan, not a recomputation.
+
+
+rule prepare:
+    input:
+        raw_files,
+    output:
+        manifest="results/prepare/manifest.jsonl",
+        rejected="results/prepare/rejected.jsonl",
+        summary="results/prepare/summary.json",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/prepare.log",
+    benchmark:
+        "benchmarks/prepare.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        settings={"data": CFG["data"], "prepare": CFG["prepare"]},
+    shell:
+        "sdpipe prepare --config {params.config} --manifest {output.manifest} "
+        "--rejected {output.rejected} --summary {output.summary} > {log} 2>&1"
+
+
+rule caption:
+    input:
+        manifest=rules.prepare.output.manifest,
+    output:
+        captions="results/captions/captions.jsonl",
+        summary="results/captions/summary.json",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/caption.log",
+    benchmark:
+        "benchmarks/caption.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        settings={"caption": CFG["caption"], "cache_dir": CFG["cache_dir"]},
+    resources:
+        gpu=gpus_for("caption"),
+    shell:
+        "sdpipe caption --config {params.config} --set caption.gpus={resources.gpu} "
+        "--manifest {input.manifest} --captions {output.captions} --summary {output.summary} > {log} 2>&1"
+
+
+rule latents:
+    input:
+        manifest=rules.prepare.output.manifest,
+        captions=rules.caption.output.captions,
+        model=model_files,
+    output:
+        index="results/latents/index.json",
+        summary="results/latents/summary.json",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/latents.log",
+    benchmark:
+        "benchmarks/latents.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        settings={"latents": CFG["latents"], "model": CFG["model"], "cache_dir": CFG["cache_dir"]},
+    resources:
+        gpu=gpus_for("latents"),
+    shell:
+        "sdpipe latents --config {params.config} --set latents.gpus={resources.gpu} "
+        "--manifest {input.manifest} --captions {input.captions} "
+        "--index {output.index} --summary {output.summary} > {log} 2>&1"
