@@ -1,0 +1,158 @@
+"""Model presets, the CLIP tokenizer and loading: tiny models are built, saved and loaded back through the same
+from_pretrained path a real checkpoint takes. No network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdpipe.errors import UserError
+from sdpipe.models import loading, presets
+from sdpipe.models.tokenizer import build_clip_tokenizer
+
+CAPTIONS = ["a photo of a cat", "A RED Circle on a blue background.", "it's 2024, isn't it? naïve café",
+            "a painting of " + "a very large tree and " * 30 + "a house"]  # the last one is truncated at 77
+
+
+def _open_clip_ids(texts: list[str]) -> torch.Tensor:
+    open_clip = pytest.importorskip("open_clip")
+    return open_clip.tokenize(texts)  # [B, 77], padded with 0
+
+
+def test_tokenizer_ids_match_open_clip(tmp_path: Path) -> None:
+    tok = build_clip_tokenizer(tmp_path)
+    enc = tok(CAPTIONS, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt")
+    # open_clip pads with id 0, the HF CLIP tokenizer with <|endoftext|>: compare the unpadded tokens.
+    assert torch.equal(enc.input_ids.masked_fill(enc.attention_mask == 0, 0), _open_clip_ids(CAPTIONS))
+    assert tok.model_max_length == 77 and len(tok) == 49408
+    assert tok.convert_tokens_to_ids(["<|startoftext|>", "<|endoftext|>"]) == [49406, 49407]
+    assert (tmp_path / "merges.txt").read_text().startswith("#version: 0.2\ni n\n")
+    assert json.loads((tmp_path / "vocab.json").read_text())["<|endoftext|>"] == 49407
+
+
+def test_tokenizer_pad_bang_matches_open_clip_exactly() -> None:
+    # SDXL's tokenizer_2 pads with "!" (id 0) like open_clip, so whole rows agree. ("!" itself becomes a special
+    # token there, exactly as in the real SDXL tokenizer_2, so the captions avoid it.)
+    tok = build_clip_tokenizer(pad_token="!")
+    ids = tok(CAPTIONS, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    assert torch.equal(ids, _open_clip_ids(CAPTIONS))
+
+
+def test_family_and_unknown_preset() -> None:
+    assert [presets.family(p) for p in presets.PRESETS] == ["sd", "sd", "sdxl"]
+    with pytest.raises(UserError, match="tiny, sd15, sdxl"):
+        presets.family("sd3")
+    with pytest.raises(UserError, match="unknown model preset"):
+        presets.build_and_save("sd3", Path("/nonexistent/never-written"))
+
+
+def _meta_counts(preset: str) -> tuple[int, list[int]]:
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        unet = UNet2DConditionModel(**presets.unet_config(preset))
+        texts = [CLIPTextModel(c) for c in presets.text_encoder_configs(preset)]
+    return count(unet), [count(t) for t in texts]
+
+
+def test_real_architectures_have_published_param_counts() -> None:
+    assert _meta_counts("sd15") == (859_520_964, [123_060_480])
+    assert _meta_counts("sdxl")[0] == 2_567_463_684
+    assert [c.hidden_size for c in presets.text_encoder_configs("sdxl")] == [768, 1280]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(presets.build_and_save("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def tiny_xl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(presets.build_and_save("tiny-sdxl", tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0))
+
+
+def test_tiny_components_load_and_fit_together(tiny: str) -> None:
+    assert loading.pipeline_family(tiny) == "sd"
+    assert loading.text_component_names(tiny) == ["text_encoder"]
+    vae = loading.load_vae(tiny)
+    assert not vae.training and not any(p.requires_grad for p in vae.parameters())
+    with torch.no_grad():
+        latents = vae.encode(torch.rand(1, 3, 32, 32) * 2 - 1).latent_dist.mean
+    assert latents.shape == (1, 4, 8, 8)
+    hidden = loading.load_text_stack(tiny).encode(["a red circle", "a blue square"])["hidden"]
+    assert hidden.shape == (2, 77, 64)
+    with torch.no_grad():
+        eps = loading.load_unet(tiny)(latents, torch.tensor([500]), encoder_hidden_states=hidden[:1]).sample
+    assert eps.shape == latents.shape
+    assert loading.load_noise_scheduler(tiny).config.beta_schedule == "scaled_linear"
+
+
+def test_tiny_loads_as_a_diffusers_pipeline(tiny: str) -> None:
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red circle", height=32, width=32, num_inference_steps=2, output_type="np").images
+    assert image.shape == (1, 32, 32, 3)
+    # Our text conditioning is what the pipeline itself feeds the UNet.
+    ours = loading.load_text_stack(tiny).encode(CAPTIONS)["hidden"]
+    theirs = pipe.encode_prompt(CAPTIONS, "cpu", 1, False)[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_tiny_sdxl_family(tiny_xl: str) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    assert loading.pipeline_family(tiny_xl) == "sdxl"
+    assert loading.text_component_names(tiny_xl) == ["text_encoder", "text_encoder_2"]
+    out = loading.load_text_stack(tiny_xl).encode(CAPTIONS)
+    assert out["hidden"].shape == (4, 77, 64 + 96) and out["pooled"].shape == (4, 96)
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_xl)
+    embeds, _, pooled, _ = pipe.encode_prompt(CAPTIONS, device="cpu", do_classifier_free_guidance=False)
+    torch.testing.assert_close(out["hidden"], embeds)
+    torch.testing.assert_close(out["pooled"], pooled)
+    time_ids = torch.tensor([[32.0, 32, 0, 0, 32, 32]] * 4)
+    with torch.no_grad():
+        eps = loading.load_unet(tiny_xl)(torch.randn(4, 4, 8, 8), torch.tensor([1, 10, 100, 999]), out["hidden"],
+                                         added_cond_kwargs={"text_embeds": out["pooled"], "time_ids": time_ids}).sample
+    assert eps.shape == (4, 4, 8, 8)
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {f"{f.parent.name}/{k}": v for f in sorted(model_dir.rglob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_same_seed_same_weights(tiny: str, tmp_path: Path) -> None:
+    a, b = _weights(Path(tiny)), _weights(presets.build_and_save("tiny", tmp_path / "again", seed=0))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = _weights(presets.build_and_save("tiny", tmp_path / "other", seed=1))
+    assert not torch.equal(a["unet/conv_in.weight"], c["unet/conv_in.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "other"]  # no temporary folders left behind
+
+
+def test_build_refuses_to_overwrite(tiny: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="already exists"):
+        presets.build_and_save("tiny", Path(tiny))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not an empty folder"):
+        presets.build_and_save("tiny", tmp_path / "busy")
+
+
+def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        loading.load_vae(str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="model_index.json"):
+        loading.pipeline_family(str(tmp_path))
+    with pytest.raises(UserError, match="variant"):
+        loading.load_vae(tiny, variant="fp16")
+    with pytest.raises(UserError, match="variant"):
+        loading.load_text_stack(tiny, variant="fp16")
+    with pytest.raises(UserError, match="huggingface-cli download"):
+        loading.load_text_stack("nobody-sdpipe-test/not-a-model")  # a hub id not in the cache: no download tried
