@@ -40,10 +40,11 @@ def resolve(name: str, revision: str | None = None) -> Path:
                         f"run `huggingface-cli download {name}` (or set the config to a local folder)") from None
 
 
-def files_to_hash(path: Path) -> list[Path]:
+def files_to_hash(path: Path, every_file: bool = False) -> list[Path]:
     if path.is_file():
         return [path]
-    chosen = [p for p in sorted(path.rglob("*")) if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_NAMES)]
+    wanted = lambda p: every_file or p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_NAMES
+    chosen = [p for p in sorted(path.rglob("*")) if p.is_file() and wanted(p)]
     if not chosen:
         raise UserError(f"no weight files (*.safetensors, *.bin, ...) under {path}")
     return chosen
@@ -71,17 +72,19 @@ class HashMemo:
                 io.write_json(self.memo_file, self.memo)
         return self.memo[key]
 
-    def tree_hash(self, path: Path) -> str:
+    def tree_hash(self, path: Path, every_file: bool = False) -> str:
         """One hash for a weights folder (or file): names relative to it, plus each file's content hash."""
         root = path if path.is_dir() else path.parent
-        return hashing.key_of([(str(p.relative_to(root)), self.file_hash(p)) for p in files_to_hash(path)])
+        files = files_to_hash(path, every_file)
+        return hashing.key_of([(str(p.relative_to(root)), self.file_hash(p)) for p in files])
 
 
 def weights_hash(name: str, subfolder: str | None = None, revision: str | None = None,
-                 memo_file: str | Path | None = None) -> str:
+                 memo_file: str | Path | None = None, every_file: bool = False) -> str:
+    """Hash of a model's weight and config files (every_file: all files, e.g. for a tokenizer folder)."""
     path = resolve(name, revision)
     if subfolder:
         path = path / subfolder
         if not path.exists():
             raise UserError(f"model {name} has no {subfolder}/ folder")
-    return HashMemo(memo_file).tree_hash(path)
+    return HashMemo(memo_file).tree_hash(path, every_file)

@@ -1,0 +1,57 @@
+"""Turn a decoded RGB image into the pixel tensor the VAE sees at its bucket resolution.
+
+The crop offsets are returned too: SDXL conditions on the original size and the crop's top-left corner.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from PIL import Image
+
+RESAMPLE = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
+            "bilinear": Image.Resampling.BILINEAR}
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Everything that decides the pixels; it is part of the latent cache key."""
+
+    bucket: tuple[int, int]  # (width, height)
+    resize: str = "cover"
+    crop: str = "center"
+    interpolation: str = "lanczos"
+    flip: bool = False
+    background: tuple[int, int, int] = (255, 255, 255)
+
+    def as_key(self) -> dict:
+        return asdict(self)
+
+
+def cover_and_crop(img: Image.Image, p: Preprocess, image_id: str) -> tuple[Image.Image, tuple[int, int]]:
+    """Scale so the image covers the bucket, cut the overhang; return the image and the crop's (top, left)."""
+    bw, bh = p.bucket
+    scale = max(bw / img.width, bh / img.height)
+    size = (max(bw, round(img.width * scale)), max(bh, round(img.height * scale)))
+    img = img.resize(size, RESAMPLE[p.interpolation])
+    spare_x, spare_y = size[0] - bw, size[1] - bh
+    if p.crop == "random":
+        # Seeded by the image id: the same image always gets the same crop, on any machine or GPU count.
+        rng = random.Random(image_id)
+        left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
+    else:
+        left, top = spare_x // 2, spare_y // 2
+    img = img.crop((left, top, left + bw, top + bh))
+    if p.flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return img, (top, left)
+
+
+def to_tensor(img: Image.Image):
+    """HWC uint8 -> CHW float in [-1, 1], the VAE's input range."""
+    import torch
+
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()

@@ -1,0 +1,145 @@
+"""Cache VAE latents and text embeddings for every training image, content-addressed and sharded.
+
+Keys come from content: a latent from (image id, preprocessing, VAE weight hash, dtype), a text embedding from
+(caption, text-encoder weight hashes, dtype). Only missing keys are computed, one plain process per GPU (no
+process group, so no NCCL timeout), each writing its own shards as it goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from sdpipe import hashing, io, parallel
+from sdpipe.cache_store import ShardStore
+from sdpipe.errors import UserError
+from sdpipe.preprocess import Preprocess
+
+log = logging.getLogger(__name__)
+INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
+OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
+
+
+def _read(path: Path, made_by: str) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"{path} not found; run `snakemake {made_by}` first")
+    return io.read_jsonl(path)
+
+
+def describe_model(cfg) -> dict:
+    """Family, weight hashes and VAE facts, read from config files and weight hashes (no model is loaded)."""
+    from diffusers import AutoencoderKL
+
+    from sdpipe import weights
+    from sdpipe.models import loading
+
+    m = cfg.model
+    memo = Path(cfg.cache_dir) / "weight-hashes.json"
+    local = str(weights.resolve(m.pretrained, m.revision))
+    vae_cfg = AutoencoderKL.load_config(local, subfolder="vae")
+    texts = loading.text_component_names(local)
+    return {
+        "pretrained": m.pretrained,
+        "family": loading.pipeline_family(local),
+        "vae_sha256": weights.weights_hash(local, "vae", memo_file=memo),
+        # The tokenizer decides the embeddings as much as the encoder does, so both are in the text key.
+        "text_sha256": {name: weights.weights_hash(local, name, memo_file=memo) for name in texts}
+        | {tok: weights.weights_hash(local, tok, memo_file=memo, every_file=True) for tok in _tokenizers(texts)},
+        "scaling_factor": vae_cfg.get("scaling_factor", 0.18215),
+        "shift_factor": vae_cfg.get("shift_factor"),
+        "vae_downsample": 2 ** (len(vae_cfg["block_out_channels"]) - 1),
+        "dtype": cfg.latents.dtype,
+    }
+
+
+def _tokenizers(text_components: list[str]) -> list[str]:
+    return [name.replace("text_encoder", "tokenizer") for name in text_components]
+
+
+def _check_buckets(rows: list[dict], factor: int) -> None:
+    bad = sorted({tuple(r["bucket"]) for r in rows if r["bucket"][0] % factor or r["bucket"][1] % factor})
+    if bad:
+        raise UserError(f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by the VAE's downsampling ({factor}); "
+                        f"set prepare.buckets.step to a multiple of {factor}")
+
+
+def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
+    """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in."""
+    lat = cfg.latents
+    items, images, texts, failed = [], {}, {}, []
+    for row in rows:
+        caption = captions.get(row["id"], {}).get("caption")
+        if not caption:
+            failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
+            continue
+        text_key = hashing.key_of("text", caption, model["text_sha256"], lat.dtype, model["family"])
+        texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
+        item = {"id": row["id"], "path": row["path"], "bucket": row["bucket"], "repeats": row["repeats"],
+                "caption": caption, "text_key": text_key, "flip_key": None}
+        for flip in ([False, True] if lat.flip else [False]):
+            p = Preprocess(bucket=tuple(row["bucket"]), resize=lat.resize, crop=lat.crop,
+                           interpolation=lat.interpolation, flip=flip,
+                           background=tuple(cfg.prepare.alpha_background))
+            key = hashing.key_of("latent", row["id"], p.as_key(), model["vae_sha256"], lat.dtype)
+            item["flip_key" if flip else "latent_key"] = key
+            images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"], "pre": p.as_key()}
+        items.append(item)
+    return items, list(images.values()), list(texts.values()), failed
+
+
+def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+    rows = [r for r in _read(inputs["manifest"], "prepare") if r["split"] == "train"]
+    captions = {c["id"]: c for c in _read(inputs["captions"], "caption")}
+    model = describe_model(cfg)
+    _check_buckets(rows, model["vae_downsample"])
+    items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
+
+    root = Path(cfg.cache_dir)
+    stores = {"image": ShardStore(root / "latents"), "text": ShardStore(root / "text")}
+    have = {kind: set(store.scan()) for kind, store in stores.items()}
+    todo = [j for j in image_jobs if j["key"] not in have["image"]] + \
+           [j for j in text_jobs if j["key"] not in have["text"]]
+    gpus = parallel.resolve_gpus(cfg.latents.gpus)
+    devices = parallel.devices_for(gpus, cfg.latents.cpu_processes)
+    log.info("latents: %d images and %d captions to encode on %s; %d latents and %d embeddings cached",
+             sum(j["kind"] == "image" for j in todo), sum(j["kind"] == "text" for j in todo), ",".join(devices),
+             len(image_jobs) - sum(j["kind"] == "image" for j in todo), len(text_jobs) - sum(j["kind"] == "text" for j in todo))
+
+    start = time.perf_counter()
+    from sdpipe.stages.encode_worker import encode
+
+    results = parallel.run_sharded(encode, todo, devices, "encoding", settings=_worker_settings(cfg, root)) if todo else []
+    seconds = time.perf_counter() - start
+    worker_failed = [f for r in results for f in r["failed"]]
+    wheres = {kind: store.compact() for kind, store in stores.items()}
+    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds)
+
+
+def _worker_settings(cfg, root: Path) -> dict:
+    return {"raw_dir": cfg.data.raw_dir, "pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
+            "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
+            "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text")}
+
+
+def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) -> dict:
+    bad_paths = {f["path"] for f in failed}
+    present = lambda it: (it["latent_key"] in wheres["image"] and it["text_key"] in wheres["text"]
+                          and (it["flip_key"] is None or it["flip_key"] in wheres["image"]))
+    kept = [it for it in items if it["path"] not in bad_paths and present(it)]
+    encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
+    encoded = len({it["id"] for it in kept} & encoded_ids)
+    io.write_json(outputs["index"], {
+        "version": 1, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
+        "text_store": str(Path(cfg.cache_dir) / "text"), "items": kept, "failed": failed})
+    summary = {
+        "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),
+        "text_encoded": sum(j["kind"] == "text" for j in todo), "devices": devices, "seconds": round(seconds, 3),
+        "images_per_s": round(encoded / seconds, 3) if encoded and seconds > 0 else None,
+        "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
+    }
+    summary["text_reused"] = len({it["text_key"] for it in kept}) - summary["text_encoded"]
+    io.write_json(outputs["summary"], summary)
+    log.info("latents: %d encoded, %d reused, %d failed (%s images/s)", encoded, summary["reused"], len(failed),
+             summary["images_per_s"])
+    return summary

@@ -1,0 +1,72 @@
+"""Config validation: defaults, one-line errors naming key, value and what is allowed, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from sdpipe import config
+from sdpipe.errors import UserError
+
+REPO_CONFIG = "config/config.yaml"
+
+
+def test_shipped_config_is_valid_and_lists_every_key():
+    raw = yaml.safe_load(open(REPO_CONFIG))
+    cfg = config.from_dict(raw)
+    assert cfg.model.build_preset == "tiny" and cfg.prepare.buckets.step == 8
+    filled = config.validate_dict(raw)
+    assert filled == raw, "config/config.yaml should spell out every key the schema knows"
+
+
+def test_empty_config_takes_schema_defaults():
+    cfg = config.from_dict({})
+    assert cfg.data.raw_dir == "data/raw" and cfg.latents.dtype == "fp16" and cfg.caption.gpus == "auto"
+    assert cfg.prepare.buckets.resolution == 512
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"latents": {"dtype": "fp8"}}, "latents.dtype = 'fp8' is not allowed; expected one of ['fp32', 'fp16', 'bf16']"),
+    ({"data": {"raw_dri": "x"}}, "unknown key data.raw_dri"),
+    ({"caption": {"gpus": -1}}, "caption.gpus = -1"),
+    ({"prepare": {"eval_fraction": 0.9}}, "expected a value from 0 to 0.5"),
+    ({"caption": {"chain": ["sidecar", "blipp"]}}, "caption.chain[1] = 'blipp'"),
+    ({"prepare": {"min_size": "big"}}, "prepare.min_size = 'big' is not allowed; expected a value of type integer"),
+    ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl']"),
+    ({"seed": -1}, "seed = -1 is not allowed; expected a value >= 0"),
+])
+def test_bad_values_name_key_value_and_allowed(raw, expected):
+    with pytest.raises(UserError) as err:
+        config.from_dict(raw)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_reports_bad_config_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("latents:\n  batch_size: 0\n")
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--config", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "sdpipe check-config: error: config: latents.batch_size = 0 is not allowed; expected a value from 1 to 4096"]
+
+
+def test_set_overrides_are_validated_too(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=many"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "latents.gpus = 'many'" in proc.stderr and "Traceback" not in proc.stderr
+    ok = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=2"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_missing_and_invalid_yaml_files_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        config.load(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        config.load(broken)

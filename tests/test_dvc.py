@@ -1,0 +1,43 @@
+"""`dvc repro` in a fresh git repo: runs the stages, does nothing the second time, and after one image changes
+captions and encodes only that image."""
+
+from __future__ import annotations
+
+import io as pyio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.workflow_helpers import make_project, run
+
+pytestmark = pytest.mark.slow
+DVC = str(Path(sys.executable).parent / "dvc")
+
+
+def summary(project, stage):
+    return json.loads((project / "results" / stage / "summary.json").read_text())
+
+
+def test_dvc_repro_is_incremental(tmp_path, demo_source):
+    proj = make_project(tmp_path / "repo", demo_source, with_code=True, prepare={"eval_fraction": 0.0, "workers": 1})
+    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"]):
+        run(cmd, proj)
+    run([DVC, "repro"], proj)
+    assert summary(proj, "latents")["encoded"] == 40
+    assert (proj / "dvc.lock").is_file()
+
+    second = run([DVC, "repro"], proj)
+    assert "Data and pipelines are up to date" in second.stdout
+    assert summary(proj, "latents")["encoded"] == 40, "nothing ran, so the summary is the first run's"
+
+    victim = sorted((proj / "data" / "raw").rglob("*.png"))[5]
+    buf = pyio.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 90)).save(buf, format="PNG")
+    victim.write_bytes(buf.getvalue())
+    run([DVC, "repro"], proj)
+    cap, lat = summary(proj, "captions"), summary(proj, "latents")
+    assert (cap["captioned"], cap["reused"]) == (1, 39)
+    assert (lat["encoded"], lat["reused"]) == (1, 39)

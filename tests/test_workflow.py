@@ -1,0 +1,93 @@
+"""End to end through Snakemake on a temporary copy of the demo data: the DAG, incremental reruns, lint, profiles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from sdpipe import demo
+from tests.workflow_helpers import REPO, make_project, run
+
+pytestmark = pytest.mark.slow
+SMALL = {"eval_fraction": 0.0, "workers": 1}
+
+
+def summary(project, stage):
+    return json.loads((project / "results" / stage / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, demo_source):
+    """One Snakemake run through `latents`, shared by the tests that read its results."""
+    proj = make_project(tmp_path_factory.mktemp("wf") / "proj", demo_source, prepare=SMALL)
+    run(["snakemake", "--cores", "2", "latents"], proj)
+    return proj
+
+
+def test_dag_runs_through_latents(project):
+    prep = summary(project, "prepare")
+    assert prep["accepted"] == 40 and prep["rejected"] == 0
+    cap = summary(project, "captions")
+    assert (cap["captioned"], cap["reused"], cap["failed"]) == (40, 0, 0)
+    assert cap["by_source"]["template"] > 0 and cap["by_source"]["sidecar"] > 0
+    lat = summary(project, "latents")
+    assert (lat["encoded"], lat["reused"], lat["failed"]) == (40, 0, 0)
+    assert (project / "models" / "tiny" / "model_index.json").is_file()
+    for log in ("base_model", "prepare", "caption", "latents"):
+        assert (project / "logs" / f"{log}.log").is_file()
+    assert (project / "benchmarks" / "latents.tsv").is_file()
+
+
+def test_adding_three_images_recomputes_only_those(project, tmp_path):
+    extra = tmp_path / "extra"
+    demo.generate(extra, count=3, seed=7)
+    new_dir = project / "data" / "raw" / "new"
+    new_dir.mkdir()
+    for f in extra.rglob("*"):
+        if f.is_file():
+            shutil.copy(f, new_dir / f"new_{f.name}")
+    run(["snakemake", "--cores", "2", "latents"], project)
+    assert summary(project, "prepare")["accepted"] == 43
+    cap, lat = summary(project, "captions"), summary(project, "latents")
+    assert (cap["captioned"], cap["reused"]) == (3, 40)
+    assert (lat["encoded"], lat["reused"]) == (3, 40)
+    again = run(["snakemake", "--cores", "2", "latents"], project)
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_named_targets_run_the_dag_up_to_that_stage(tmp_path, demo_source):
+    proj = make_project(tmp_path / "p", demo_source, prepare=SMALL)
+    run(["snakemake", "--cores", "2", "prepare"], proj)
+    assert (proj / "results/prepare/manifest.jsonl").is_file()
+    assert not (proj / "results/captions").exists() and not (proj / "models").exists()
+
+
+def test_missing_raw_folder_fails_with_one_clear_line(tmp_path):
+    proj = make_project(tmp_path / "p", None)
+    proc = run(["snakemake", "--cores", "1", "prepare"], proj, check=False)
+    assert proc.returncode != 0
+    log = (proj / "logs" / "prepare.log").read_text()
+    assert "data.raw_dir" in log and "Traceback" not in log
+
+
+def test_bad_config_stops_before_any_job(tmp_path):
+    proj = make_project(tmp_path / "p", None, latents={"dtype": "fp8"})
+    proc = run(["snakemake", "--cores", "1", "-n"], proj, check=False)
+    assert proc.returncode != 0
+    assert "latents.dtype = 'fp8' is not allowed; expected one of ['fp32', 'fp16', 'bf16']" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (proj / "results" / "prepare").exists()
+
+
+def test_lint_is_clean():
+    proc = run(["snakemake", "--lint"], REPO)
+    assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
+
+
+def test_profiles_parse(tmp_path, demo_source):
+    proj = make_project(tmp_path / "p", demo_source)
+    runpod = run(["snakemake", "--profile", "runpod", "-n"], proj)
+    assert "latents" in runpod.stdout
+    slurm = run(["snakemake", "--profile", "profiles/slurm", "-n"], proj)
+    assert "latents" in slurm.stdout

@@ -1,0 +1,39 @@
+"""Copy the workflow into a temporary project and run Snakemake or DVC there, the way a user would."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WORKFLOW_FILES = ["Snakefile", "workflow", "config", "profiles", "runpod", "dvc.yaml", ".dvcignore"]
+
+
+def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, **config_changes) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES + (["sdpipe"] if with_code else []):
+        src = REPO / name
+        if src.is_symlink():
+            (dest / name).symlink_to(src.readlink())
+        elif src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / name)
+    if raw_source is not None:
+        shutil.copytree(raw_source, dest / "data" / "raw")
+    cfg_path = dest / "config" / "config.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text())
+    for section, values in config_changes.items():
+        cfg[section].update(values) if isinstance(values, dict) else cfg.__setitem__(section, values)
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dest
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
