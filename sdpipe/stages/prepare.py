@@ -1,0 +1,358 @@
+"""Validate raw images, give each a content id, bucket it and hold out an eval split.
+
+Every file under data.raw_dir (hidden ones aside) is an image candidate unless its extension is a caption
+extension, in which case it is the sidecar caption of the image with the same stem in the same folder. Images are
+fully decoded once (in a process pool for large folders); a file that fails goes to the rejected list with a
+one-line reason instead of stopping the run. Raw files are only ever read.
+
+A rerun with the same validation parameters reuses the previous manifest's decode results for content ids it has
+seen (the bytes are still read and hashed), so adding ten images to ten thousand decodes ten.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from sdpipe import hashing, io
+from sdpipe.errors import UserError
+from sdpipe.log import progress
+
+log = logging.getLogger(__name__)
+INPUTS: dict[str, str] = {}
+OUTPUTS = {
+    "manifest": "results/prepare/manifest.jsonl",
+    "rejected": "results/prepare/rejected.jsonl",
+    "summary": "results/prepare/summary.json",
+}
+POOL_MIN_FILES = 64  # below this, starting worker processes costs more than decoding in this one
+DECODED_KEYS = ("width", "height", "format", "mode")
+SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
+MAX_LOGGED_WARNINGS = 10
+
+
+# --- scanning and sidecars ---------------------------------------------------------------------------------------
+
+def scan(raw: Path, caption_extensions: list[str]) -> tuple[list[str], list[str]]:
+    """(image candidates, sidecar captions) as sorted posix paths relative to raw; hidden names are skipped."""
+    captions = {ext.lower() for ext in caption_extensions}
+    images, sidecars = [], []
+    for folder, dirs, files in os.walk(raw):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            path = Path(folder, name)
+            if name.startswith(".") or not path.is_file():  # is_file drops FIFOs, which would block a read
+                continue
+            rel = path.relative_to(raw).as_posix()
+            (sidecars if path.suffix.lower() in captions else images).append(rel)
+    return sorted(images), sorted(sidecars)
+
+
+def match_sidecars(images: list[str], sidecars: list[str],
+                   caption_extensions: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Map image -> its sidecar (same folder and stem; the earlier extension in the config wins).
+
+    "a.png.txt" also captions "a.png". Also returns sidecar -> the preferred sidecar it lost to.
+    """
+    rank = {ext.lower(): i for i, ext in enumerate(caption_extensions)}
+    by_key: dict[tuple[str, str], str] = {}
+    shadowed = {}
+    for rel in sorted(sidecars, key=lambda r: (rank[PurePosixPath(r).suffix.lower()], r)):
+        p = PurePosixPath(rel)
+        key = (str(p.parent), p.stem)
+        if key in by_key:
+            shadowed[rel] = by_key[key]
+        else:
+            by_key[key] = rel
+    found = {}
+    for rel in images:
+        p = PurePosixPath(rel)
+        side = by_key.get((str(p.parent), p.stem)) or by_key.get((str(p.parent), p.name))
+        if side:
+            found[rel] = side
+    return found, shadowed
+
+
+def read_sidecar(path: Path) -> tuple[str | None, str | None]:
+    """(caption or None when empty, None), or (None, reason) when the file cannot be used."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, f"cannot read: {exc.strerror or exc}"
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        return None, (f"not valid UTF-8 (byte 0x{data[at]:02x} at offset {at}); "
+                      "the image is kept and captioned by the next captioner")
+    return " ".join(text.split()) or None, None
+
+
+# --- hashing and decoding (runs in worker processes) -------------------------------------------------------------
+
+_WORKER_STATE: dict = {}
+
+
+def inspect_file(path: str, params: dict, known: frozenset[str] | set[str]) -> dict:
+    """Hash the file; decode it unless its id is known. {"id", "reused"} | {"id", "reason"} | {"id", decoded keys}."""
+    from sdpipe import images
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return {"id": None, "reason": f"cannot read: {exc.strerror or exc}"}
+    image_id = hashing.sha256_bytes(data)
+    if image_id in known:
+        return {"id": image_id, "reused": True}
+    try:
+        rgb = images.load_rgb(data, background=tuple(params["alpha_background"]), max_pixels=params["max_pixels"],
+                              min_size=params["min_size"])
+        fmt, mode = _format_and_mode(data)
+    except images.ImageRejected as exc:
+        return {"id": image_id, "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - one hostile file must not stop a run over thousands
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return {"id": image_id, "reason": f"cannot decode: {type(exc).__name__} {first}".strip()}
+    return {"id": image_id, "width": rgb.width, "height": rgb.height, "format": fmt, "mode": mode}
+
+
+def _format_and_mode(data: bytes) -> tuple[str, str]:
+    """The container format and the mode before RGB conversion, from the header (cheap: no pixel decode)."""
+    import io as bytes_io
+
+    from PIL import Image
+
+    with Image.open(bytes_io.BytesIO(data)) as img:
+        return img.format or "unknown", img.mode
+
+
+def _init_worker(params: dict, known: frozenset[str]) -> None:
+    # Sent once per process, not once per file: the known-id set can hold hundreds of thousands of ids.
+    _WORKER_STATE.update(params=params, known=known)
+
+
+def _inspect_in_worker(path: str) -> dict:
+    return inspect_file(path, _WORKER_STATE["params"], _WORKER_STATE["known"])
+
+
+def inspect_all(raw: Path, rels: list[str], params: dict, known: set[str], workers: int) -> list[dict]:
+    """inspect_file for every path, in order; in a process pool when there are enough files to pay for one."""
+    paths = [str(raw / rel) for rel in rels]
+    workers = min(workers, len(paths))
+    with progress(len(paths), "prepare: hashing and decoding") as advance:
+        if workers <= 1 or len(paths) < POOL_MIN_FILES:
+            results = []
+            for path in paths:
+                results.append(inspect_file(path, params, known))
+                advance(1)
+            return results
+        return _inspect_pooled(paths, params, known, workers, advance)
+
+
+def _inspect_pooled(paths: list[str], params: dict, known: set[str], workers: int, advance) -> list[dict]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the parent may hold threads (torch, a rich progress bar) and forking those can deadlock.
+    # The price is the usual spawn rule: a script that calls run() must guard its entry with __name__ == "__main__".
+    context = multiprocessing.get_context("spawn")
+    chunk = max(1, min(64, len(paths) // (workers * 8)))
+    results = []
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                             initargs=(params, frozenset(known))) as pool:
+        for result in pool.map(_inspect_in_worker, paths, chunksize=chunk):
+            results.append(result)
+            advance(1)
+    return results
+
+
+# --- incremental reuse -------------------------------------------------------------------------------------------
+
+def validation_params(cfg) -> dict:
+    p = cfg.prepare
+    return {"min_size": p.min_size, "max_pixels": p.max_pixels, "alpha_background": list(p.alpha_background)}
+
+
+def previous_results(manifest: Path, summary: Path, params: dict) -> dict[str, dict]:
+    """id -> decoded keys from the last run, if it validated with the same params; else nothing."""
+    if not (manifest.is_file() and summary.is_file()):
+        return {}
+    try:
+        if io.read_json(summary).get("params") != params:
+            log.info("validation settings changed since the last run: decoding every image again")
+            return {}
+        return {row["id"]: {k: row[k] for k in DECODED_KEYS} for row in io.read_jsonl(manifest)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.info("previous manifest not reusable (%s): decoding every image again", exc)
+        return {}
+
+
+# --- rows --------------------------------------------------------------------------------------------------------
+
+def kohya_folder(rel: str) -> tuple[int, str]:
+    """(repeats, folder name): "10_sks dog" -> (10, "sks dog"); any other leaf folder repeats once."""
+    leaf = PurePosixPath(rel).parent.name
+    match = re.fullmatch(r"(\d+)_(.+)", leaf)
+    if match and int(match[1]) > 0:
+        return int(match[1]), match[2]
+    return 1, leaf
+
+
+def split_of(image_id: str, eval_fraction: float) -> str:
+    # From the content id alone: adding, removing or renaming other files never moves an image between splits.
+    return "eval" if int(image_id[:8], 16) / 2**32 < eval_fraction else "train"
+
+
+def extension_warning(rel: str, fmt: str) -> str | None:
+    from PIL import Image
+
+    ext = PurePosixPath(rel).suffix.lower()
+    expected = Image.registered_extensions().get(ext)
+    if expected == SAME_FORMAT.get(fmt, fmt):
+        return None
+    return f"{rel}: the extension is {ext or '(none)'} but the content is {fmt}; accepted as {fmt}"
+
+
+@dataclass
+class Outcome:
+    rows: list[dict] = field(default_factory=list)
+    rejected: list[dict] = field(default_factory=list)
+    duplicates: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    decoded: int = 0
+    reused: int = 0
+
+
+def collect(cfg, raw: Path, rels: list[str], results: list[dict], known: dict[str, dict],
+            sidecar_of: dict[str, str]) -> Outcome:
+    """Turn per-file results into manifest rows, rejections and duplicates (the first path by sort order wins)."""
+    from sdpipe.buckets import make_buckets
+
+    b = cfg.prepare.buckets
+    buckets = make_buckets(b.resolution, b.step, b.max_aspect)
+    out, first_path = Outcome(), {}
+    for rel, res in zip(rels, results):
+        if "reason" in res:
+            out.rejected.append({"path": rel, "reason": res["reason"]})
+        elif res["id"] in first_path:
+            out.duplicates.append({"path": rel, "duplicate_of": first_path[res["id"]]})
+        else:
+            first_path[res["id"]] = rel
+            info = known[res["id"]] if res.get("reused") else res
+            out.reused += bool(res.get("reused"))
+            out.decoded += not res.get("reused")
+            out.rows.append(_row(cfg, raw, rel, res["id"], info, sidecar_of.get(rel), buckets, out))
+    return out
+
+
+def _row(cfg, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome) -> dict:
+    from sdpipe.buckets import assign_bucket
+
+    text = None
+    if sidecar:
+        text, reason = read_sidecar(raw / sidecar)
+        if reason:
+            if not any(r["path"] == sidecar for r in out.rejected):  # two images sharing a stem share a sidecar
+                out.rejected.append({"path": sidecar, "reason": reason})
+            sidecar = None
+    if warning := extension_warning(rel, info["format"]):
+        out.warnings.append(warning)
+    repeats, folder = kohya_folder(rel)
+    return {"id": image_id, "path": rel, **{k: info[k] for k in DECODED_KEYS},
+            "bucket": list(assign_bucket(info["width"], info["height"], buckets)),
+            "split": split_of(image_id, cfg.prepare.eval_fraction), "repeats": repeats, "folder": folder,
+            "sidecar": text, "sidecar_path": sidecar}
+
+
+def sidecar_warnings(sidecars: list[str], sidecar_of: dict[str, str], out: Outcome,
+                     shadowed: dict[str, str]) -> list[str]:
+    """One line per sidecar that captions nothing in the manifest, saying why."""
+    used = {r["sidecar_path"] for r in out.rows} | {r["path"] for r in out.rejected}
+    status = {r["path"]: "was rejected" for r in out.rejected} | {d["path"]: "is a duplicate" for d in out.duplicates}
+    owners: dict[str, list[str]] = {}
+    for image, side in sidecar_of.items():
+        owners.setdefault(side, []).append(image)
+    lines = []
+    for rel in sidecars:
+        if rel in used:
+            continue
+        if rel in shadowed:
+            lines.append(f"sidecar {rel} ignored: {shadowed[rel]} captions the same image")
+        elif rel in owners:
+            image = owners[rel][0]
+            lines.append(f"orphan sidecar {rel}: its image {image} {status.get(image, 'is not in the manifest')}")
+        else:
+            lines.append(f"orphan sidecar {rel}: no image with the same name in its folder")
+    return lines
+
+
+# --- the stage ---------------------------------------------------------------------------------------------------
+
+def _candidates(cfg) -> tuple[Path, list[str], list[str]]:
+    raw = Path(cfg.data.raw_dir)
+    hint = f"put images there or run `sdpipe demo --out {cfg.data.raw_dir}`"
+    if not raw.exists():
+        raise UserError(f"data.raw_dir: folder {cfg.data.raw_dir} does not exist; {hint}")
+    if not raw.is_dir():
+        raise UserError(f"data.raw_dir: {cfg.data.raw_dir} is a file, not a folder; {hint}")
+    images, sidecars = scan(raw, cfg.data.caption_extensions)
+    if not images:
+        raise UserError(f"data.raw_dir: folder {cfg.data.raw_dir} holds no image files "
+                        f"({len(sidecars)} captions, hidden files skipped); {hint}")
+    return raw, images, sidecars
+
+
+def _check_usable(cfg, out: Outcome, n_images: int) -> None:
+    if not out.rows:
+        first = out.rejected[0]
+        raise UserError(f"data.raw_dir: none of the {n_images} image files in {cfg.data.raw_dir} is usable "
+                        f"(first: {first['path']}: {first['reason']})")
+    if not any(r["split"] == "train" for r in out.rows):
+        raise UserError(f"prepare.eval_fraction = {cfg.prepare.eval_fraction} puts all {len(out.rows)} images in "
+                        "the eval split; lower it or add images")
+
+
+def summarize(cfg, out: Outcome, scanned: int, params: dict) -> dict:
+    splits = Counter(r["split"] for r in out.rows)
+    return {"raw_dir": cfg.data.raw_dir, "scanned": scanned, "accepted": len(out.rows),
+            "rejected": len(out.rejected), "decoded": out.decoded, "reused": out.reused,
+            "train": splits["train"], "eval": splits["eval"], "duplicates": out.duplicates,
+            "warnings": out.warnings, "params": params,
+            "buckets": dict(sorted(Counter(f"{r['bucket'][0]}x{r['bucket'][1]}" for r in out.rows).items()))}
+
+
+def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
+    if out.duplicates:
+        log.info("%d duplicate files (identical bytes) skipped", len(out.duplicates))
+    for line in out.warnings[:MAX_LOGGED_WARNINGS]:
+        log.warning("%s", line)
+    if len(out.warnings) > MAX_LOGGED_WARNINGS:
+        log.warning("... and %d more warnings in the summary", len(out.warnings) - MAX_LOGGED_WARNINGS)
+    log.info("prepare: %d files scanned, %d images accepted (%d train, %d eval), %d rejected, %d duplicates; "
+             "%d decoded, %d reused -> %s", summary["scanned"], summary["accepted"], summary["train"],
+             summary["eval"], summary["rejected"], len(out.duplicates), summary["decoded"], summary["reused"],
+             manifest)
+
+
+def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+    raw, images, sidecars = _candidates(cfg)
+    params = validation_params(cfg)
+    known = previous_results(Path(outputs["manifest"]), Path(outputs["summary"]), params)
+    workers = cfg.prepare.workers or os.cpu_count() or 1
+    results = inspect_all(raw, images, params, set(known), workers)
+    sidecar_of, shadowed = match_sidecars(images, sidecars, cfg.data.caption_extensions)
+    out = collect(cfg, raw, images, results, known, sidecar_of)
+    out.warnings += sidecar_warnings(sidecars, sidecar_of, out, shadowed)
+    out.rejected.sort(key=lambda r: r["path"])
+    _check_usable(cfg, out, len(images))
+    summary = summarize(cfg, out, len(images) + len(sidecars), params)
+    io.write_jsonl(outputs["manifest"], out.rows)
+    io.write_jsonl(outputs["rejected"], out.rejected)
+    io.write_json(outputs["summary"], summary)
+    _log_outcome(out, summary, Path(outputs["manifest"]))
