@@ -1,0 +1,142 @@
+"""Caption every image with the first captioner in the chain that yields one, cached per image.
+
+The chain (caption.chain) is walked in order for each image: sidecar text, a template filled from the folder and
+file name, BLIP, open_clip tags. Every result, an empty one included, is cached under <cache_dir>/captions by a
+key made of the image id, the captioner and what decides its output (text, template, model parameters and weight
+hashes), one small file per image, so a killed run loses only the batch in flight and a rerun picks up there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdpipe import hashing, io, parallel
+from sdpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
+OUTPUTS = {"captions": "results/captions/captions.jsonl", "summary": "results/captions/summary.json"}
+NO_CAPTION = "no captioner in the chain yielded a caption"
+
+
+@dataclass
+class Item:
+    row: dict
+    caption: str | None = None
+    source: str | None = None
+    provenance: dict | None = None
+    error: str | None = None  # the first model error, reported if no later captioner yields
+    computed: bool = False  # a cache entry on this image's path was written in this run
+
+    def accept(self, source: str, caption: str | None, provenance: dict) -> None:
+        if caption:
+            self.caption, self.source, self.provenance = caption, source, provenance
+
+
+def caption_devices(cfg) -> list[str]:
+    """Devices for model captioning (a seam: tests force several CPU workers here)."""
+    return parallel.devices_for(parallel.resolve_gpus(cfg.caption.gpus), 1)
+
+
+def _read_manifest(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        raise UserError(f"manifest {path} not found; run `snakemake prepare` (or `sdpipe prepare`) first")
+    return io.read_jsonl(path)
+
+
+def _free_step(cfg, source: str, items: list[Item], root: Path) -> None:
+    from sdpipe.captioners import free, read_cache, write_cache
+
+    for item in items:
+        proposal = free.propose(source, cfg.caption.template, item.row)
+        if proposal is None:
+            continue
+        key = hashing.key_of(item.row["id"], source, proposal.key_inputs)
+        if read_cache(root, key) is None:  # cheap to compute, but the cache says what changed since the last run
+            write_cache(root, key, source, proposal.caption)
+            item.computed = True
+        item.accept(source, proposal.caption, proposal.provenance)
+
+
+def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]) -> list[str]:
+    """Look every item up; caption the misses on the caption devices. Return the devices used (or `used`)."""
+    from sdpipe import captioners
+
+    spec = captioners.describe(cfg, source, Path(cfg.cache_dir) / "weight-hashes.json")
+    misses: dict[str, list[Item]] = {}
+    for item in items:
+        key = hashing.key_of(item.row["id"], source, spec.key_params, spec.weights_sha256)
+        hit = captioners.read_cache(root, key)
+        if hit is not None:
+            item.accept(source, hit["caption"], spec.provenance)
+        else:
+            misses.setdefault(key, []).append(item)  # the same image twice is captioned once
+    if not misses:
+        return used
+    devices = caption_devices(cfg)[:len(misses)]  # a device without work would only load the model
+    log.info("caption: %s for %d images on %s (%d cached)", source, len(misses), ",".join(devices),
+             len(items) - sum(len(v) for v in misses.values()))
+    jobs = [{"key": key, "file": str(Path(cfg.data.raw_dir) / group[0].row["path"])} for key, group in misses.items()]
+    parts = parallel.run_sharded(captioners.caption_worker, jobs, devices, f"captioning ({source})", spec=spec,
+                                 cache_root=str(root), batch_size=cfg.caption.batch_size)
+    for result in (r for part in parts for r in part):
+        for item in misses[result["key"]]:
+            if result["error"]:
+                item.error = item.error or result["error"]
+                continue
+            item.computed = True
+            item.accept(source, result["caption"], spec.provenance)
+    return devices
+
+
+def caption_items(cfg, rows: list[dict]) -> tuple[list[Item], list[str]]:
+    """Walk the chain for every row; return the items and the devices model captioning used."""
+    from sdpipe.captioners import FREE_SOURCES, free
+
+    if "template" in cfg.caption.chain:
+        free.template_fields(cfg.caption.template)  # a bad template fails before any work
+    root = Path(cfg.cache_dir) / "captions"
+    items, devices = [Item(row) for row in rows], []
+    for source in cfg.caption.chain:
+        todo = [item for item in items if item.caption is None]
+        if not todo:
+            break
+        if source in FREE_SOURCES:
+            _free_step(cfg, source, todo, root)
+        else:
+            devices = _model_step(cfg, source, todo, root, devices)
+    return items, devices
+
+
+def _output_row(item: Item) -> dict:
+    row = item.row
+    error = None if item.caption else (item.error or NO_CAPTION)
+    return {"id": row["id"], "path": row["path"], "split": row.get("split"), "caption": item.caption,
+            "source": item.source, "provenance": item.provenance, "error": error}
+
+
+def _summary(cfg, items: list[Item], devices: list[str], seconds: float) -> dict:
+    failed = sum(item.caption is None for item in items)
+    captioned = sum(item.caption is not None and item.computed for item in items)
+    return {
+        "total": len(items), "captioned": captioned, "reused": len(items) - failed - captioned, "failed": failed,
+        "by_source": dict(Counter(item.source for item in items if item.source)),
+        "errors": sum(item.error is not None and item.caption is None for item in items),
+        "chain": list(cfg.caption.chain), "devices": devices, "seconds": round(seconds, 3),
+    }
+
+
+def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+    rows = _read_manifest(inputs["manifest"])
+    start = time.perf_counter()
+    items, devices = caption_items(cfg, rows)
+    summary = _summary(cfg, items, devices, time.perf_counter() - start)
+    io.write_jsonl(outputs["captions"], (_output_row(item) for item in items))
+    io.write_json(outputs["summary"], summary)
+    log.info("caption: %d captioned, %d reused, %d failed of %d (%s)", summary["captioned"], summary["reused"],
+             summary["failed"], summary["total"], ", ".join(f"{k} {v}" for k, v in summary["by_source"].items()))
+    return summary
