@@ -30,8 +30,10 @@ def system_rows() -> list[tuple[str, str]]:
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
     rows.append(("gpus", f"{count}" + (f": {names}" if names else "")))
     nccl = dist.is_available() and dist.is_nccl_available()
-    detail = ".".join(map(str, torch.cuda.nccl.version())) if nccl and count else ""
-    rows.append(("nccl", f"{'available' if nccl else 'not available'} {detail}".strip()))
+    if nccl and count:
+        rows.append(("nccl", "available " + ".".join(map(str, torch.cuda.nccl.version()))))
+    else:
+        rows.append(("nccl", "built into torch, but no GPU to run it" if nccl else "not available"))
     rows.append(("gloo", "available" if dist.is_available() and dist.is_gloo_available() else "not available"))
     return rows
 
@@ -57,10 +59,12 @@ def weight_rows(cfg) -> list[tuple[str, str, bool]]:
     if "blip" in cfg.caption.chain:
         rows.append(_check(f"captioner blip {cfg.caption.blip.model}", lambda: weights.resolve(cfg.caption.blip.model)))
     if "clip_tags" in cfg.caption.chain:
-        from sdpipe.captioners import clip_tags
+        from sdpipe import captioners
 
         ct = cfg.caption.clip_tags
-        rows.append(_check(f"captioner clip_tags {ct.model}/{ct.pretrained}", lambda: clip_tags.resolve_checkpoint(ct)))
+        memo = Path(cfg.cache_dir) / "weight-hashes.json"
+        rows.append(_check(f"captioner clip_tags {ct.model}/{ct.pretrained}",
+                           lambda: captioners.describe(cfg, "clip_tags", memo).local))
     return rows
 
 
@@ -83,5 +87,5 @@ def run(cfg, strict: bool = False) -> int:
     missing = [r for r in rows if not r[2]]
     if missing:
         console.print(f"{len(missing)} weight set(s) missing: fetch them where there is internet "
-                      "(huggingface-cli download ID) or point the config at a local copy.")
+                      "(hf download ID) or point the config at a local copy.")
     return 1 if strict and missing else 0

@@ -63,6 +63,8 @@ def _entry(worker: Worker, index: int, device: str, items: list, threads: int, q
         torch.set_num_threads(threads)
         result = worker(device, items, lambda n=1: q.put(("progress", index, n)), **kwargs)
         q.put(("done", index, result))
+    except UserError as exc:  # stays one line in the parent, like in a single process
+        q.put(("user_error", index, str(exc)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this text
         q.put(("error", index, traceback.format_exc()))
 
@@ -97,6 +99,8 @@ def _run_processes(worker: Worker, parts: list[list], devices: list[str], advanc
                 advance(payload)
             elif kind == "done":
                 results[index] = payload
+            elif kind == "user_error":
+                raise UserError(payload)
             else:
                 raise RuntimeError(f"worker on {devices[index]} failed:\n{payload}")
     finally:

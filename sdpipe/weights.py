@@ -37,7 +37,7 @@ def resolve(name: str, revision: str | None = None) -> Path:
         return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
         raise UserError(f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
-                        f"run `huggingface-cli download {name}` (or set the config to a local folder)") from None
+                        f"run `hf download {name}` (or set the config to a local folder)") from None
 
 
 def files_to_hash(path: Path, every_file: bool = False) -> list[Path]:
