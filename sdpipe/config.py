@@ -93,6 +93,7 @@ class LatentsConfig:
     interpolation: str
     flip: bool
     gpus: Gpus
+    loader_threads: int
     cpu_processes: int
 
 

@@ -154,5 +154,5 @@ def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
         loading.load_vae(tiny, variant="fp16")
     with pytest.raises(UserError, match="variant"):
         loading.load_text_stack(tiny, variant="fp16")
-    with pytest.raises(UserError, match="huggingface-cli download"):
+    with pytest.raises(UserError, match="hf download"):
         loading.load_text_stack("nobody-sdpipe-test/not-a-model")  # a hub id not in the cache: no download tried

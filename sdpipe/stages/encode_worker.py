@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sdpipe import hashing, images
@@ -64,33 +65,54 @@ def _load_pixels(job: dict, settings: dict):
     return to_tensor(cover_and_crop(img, p, job["id"])[0])
 
 
-def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> list[dict]:
-    import torch
+def _try_load(job: dict, settings: dict):
+    try:
+        return _load_pixels(job, settings)
+    except (OSError, images.ImageRejected) as exc:
+        return exc
+
+
+def _prefetched(jobs: list[dict], settings: dict, depth: int = 2):
+    """Yield (batch, pixels-or-errors), decoding the next batches in threads while the device encodes this one.
+
+    Decoding and resizing are CPU work that Pillow does outside the GIL, so threads keep a fast GPU fed.
+    """
+    batches = list(_batches(jobs, settings["batch_size"]))
+    with ThreadPoolExecutor(settings.get("loader_threads", 4)) as pool:
+        pending = [[pool.submit(_try_load, j, settings) for j in b] for b in batches[:depth]]
+        for i, batch in enumerate(batches):
+            if i + depth < len(batches):
+                pending.append([pool.submit(_try_load, j, settings) for j in batches[i + depth]])
+            yield batch, [f.result() for f in pending[i]]
+            pending[i] = None  # free the decoded pixels
+
+
+def _load_vae(device: str, settings: dict):
+    from diffusers import AutoencoderKL
 
     from sdpipe.models import loading
-
-    from diffusers import AutoencoderKL
 
     root, _ = loading.model_index(settings["pretrained"], settings["revision"])  # local folder, never a download
     vae_cfg = AutoencoderKL.load_config(str(root), subfolder="vae")
     compute = _compute_dtype(device, settings["dtype"], vae_cfg.get("force_upcast", False))
-    vae = loading.load_vae(settings["pretrained"], settings["revision"], settings["variant"], dtype=compute,
-                           device=device)
-    store, failed = ShardStore(settings["latent_dir"]), []
-    for batch in _batches(jobs, settings["batch_size"]):
-        pixels, ok = [], []
-        for job in batch:
-            try:
-                pixels.append(_load_pixels(job, settings))
-                ok.append(job)
-            except (OSError, images.ImageRejected) as exc:
-                failed.append({"id": job["id"], "path": job["path"], "reason": str(exc)})
+    return loading.load_vae(settings["pretrained"], settings["revision"], settings["variant"], dtype=compute,
+                            device=device), compute
+
+
+def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> list[dict]:
+    import torch
+
+    vae, compute = _load_vae(device, settings)
+    store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
+    for batch, loaded in _prefetched(jobs, settings):
+        ok = [(job, px) for job, px in zip(batch, loaded) if not isinstance(px, Exception)]
+        failed += [{"id": j["id"], "path": j["path"], "reason": str(px)} for j, px in zip(batch, loaded)
+                   if isinstance(px, Exception)]
         if ok:
             with torch.no_grad():
-                x = torch.stack(pixels).to(device=device, dtype=compute)
+                x = torch.stack([px for _, px in ok]).to(device=device, dtype=compute)
                 mean = vae.encode(x).latent_dist.mean  # [B, C, H/f, W/f]
-            store_dtype = _dtype(settings["dtype"])
-            store.write_shard({job["key"]: {"latent": m.to(store_dtype)} for job, m in zip(ok, mean)})
+            store.write_shard({job["key"]: {"latent": m.to(store_dtype)} for (job, _), m in zip(ok, mean)})
         report(len(batch))
     return failed
 

@@ -8,6 +8,7 @@ process group, so no NCCL timeout), each writing its own shards as it goes.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -109,17 +110,20 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     start = time.perf_counter()
     from sdpipe.stages.encode_worker import encode
 
-    results = parallel.run_sharded(encode, todo, devices, "encoding", settings=_worker_settings(cfg, root)) if todo else []
+    settings = _worker_settings(cfg, root, len(devices))
+    results = parallel.run_sharded(encode, todo, devices, "encoding", settings=settings) if todo else []
     seconds = time.perf_counter() - start
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
     return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds)
 
 
-def _worker_settings(cfg, root: Path) -> dict:
+def _worker_settings(cfg, root: Path, processes: int) -> dict:
+    threads = cfg.latents.loader_threads or max(1, (os.cpu_count() or 1) // processes)
     return {"raw_dir": cfg.data.raw_dir, "pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
             "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
-            "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text")}
+            "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text"),
+            "loader_threads": threads}
 
 
 def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) -> dict:
