@@ -17,11 +17,12 @@ from pathlib import Path
 
 import yaml
 
-CASES = [  # preset, resolution, dtype, batch size
-    ("sd15", 512, "fp16", 8),
-    ("sd15", 512, "fp16", 32),
-    ("sd15", 512, "bf16", 32),
-    ("sdxl", 1024, "bf16", 16),
+CASES = [  # preset, resolution, dtype, batch size, loader threads (0 = cores / processes)
+    ("sd15", 512, "fp16", 32, 1),  # baseline: one thread decodes and resizes ahead of the VAE
+    ("sd15", 512, "fp16", 32, 0),
+    ("sd15", 512, "bf16", 32, 0),
+    ("sd15", 512, "fp16", 8, 0),
+    ("sdxl", 1024, "bf16", 16, 0),
 ]
 
 
@@ -29,24 +30,30 @@ def sdpipe(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "sdpipe", *args], check=True)
 
 
-def config(work: Path, preset: str, resolution: int, dtype: str, batch: int, gpus: str) -> Path:
-    cfg = {"cache_dir": str(work / f"cache-{preset}-{dtype}-{batch}"), "data": {"raw_dir": str(work / "raw")},
+def name_of(case: tuple) -> str:
+    return "-".join(str(x) for x in case)
+
+
+def config(work: Path, case: tuple, gpus: str) -> Path:
+    preset, resolution, dtype, batch, threads = case
+    cfg = {"cache_dir": str(work / f"cache-{name_of(case)}"), "data": {"raw_dir": str(work / "raw")},
            "model": {"pretrained": str(work / preset)},
            "prepare": {"min_size": 32, "eval_fraction": 0.0, "buckets": {"resolution": resolution, "step": 64}},
            "caption": {"chain": ["sidecar", "template"], "gpus": 0},
-           "latents": {"dtype": dtype, "batch_size": batch, "gpus": gpus if gpus == "auto" else int(gpus)}}
-    path = work / f"{preset}-{dtype}-{batch}.yaml"
+           "latents": {"dtype": dtype, "batch_size": batch, "loader_threads": threads,
+                       "gpus": gpus if gpus == "auto" else int(gpus)}}
+    path = work / f"{name_of(case)}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def run_case(work: Path, case: tuple, gpus: str) -> dict:
-    preset, resolution, dtype, batch = case
+    preset = case[0]
     if not (work / preset / "model_index.json").is_file():
         sdpipe("build-model", "--preset", preset, "--out", str(work / preset))
-    cfg = config(work, *case, gpus)
-    out = work / f"out-{preset}-{dtype}-{batch}"
-    shutil.rmtree(work / f"cache-{preset}-{dtype}-{batch}", ignore_errors=True)
+    cfg = config(work, case, gpus)
+    out = work / f"out-{name_of(case)}"
+    shutil.rmtree(work / f"cache-{name_of(case)}", ignore_errors=True)
     common = ["--config", str(cfg), "--manifest", str(out / "manifest.jsonl")]
     sdpipe("prepare", *common, "--rejected", str(out / "rejected.jsonl"), "--summary", str(out / "prepare.json"))
     sdpipe("caption", *common, "--captions", str(out / "captions.jsonl"), "--summary", str(out / "captions.json"))
@@ -66,11 +73,11 @@ def main() -> None:
     if not (work / "raw").exists():
         sdpipe("demo", "--out", str(work / "raw"), "--count", str(args.count))
     rows = [(case, run_case(work, case, args.gpus)) for case in CASES]
-    print("\n| preset | resolution | dtype | batch | devices | images | seconds | images/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for (preset, res, dtype, batch), s in rows:
-        print(f"| {preset} | {res} | {dtype} | {batch} | {len(s['devices'])}x {s['devices'][0]} | {s['encoded']} "
-              f"| {s['seconds']} | {s['images_per_s']} |")
+    print("\n| preset | resolution | dtype | batch | loader threads | devices | images | seconds | images/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (preset, res, dtype, batch, threads), s in rows:
+        print(f"| {preset} | {res} | {dtype} | {batch} | {threads or 'auto'} | {len(s['devices'])}x {s['devices'][0]} "
+              f"| {s['encoded']} | {s['seconds']} | {s['images_per_s']} |")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ import logging
 import sys
 from pathlib import Path
 
-import yaml
-
 from sdpipe.errors import UserError
 
 STAGES = {
@@ -25,32 +23,10 @@ STAGES = {
 DEFAULT_CONFIG = "config/config.yaml"
 
 
-def _apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """--set section.key=value, the value parsed as YAML; the schema validates the result like any config."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--set expects section.key=value, got {item!r}")
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserError(f"--set {key}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value)
-    return raw
-
-
 def load_config(path: str, overrides: list[str]):
     from sdpipe import config
 
-    if not Path(path).is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    return config.from_dict(_apply_overrides(raw, overrides))
+    return config.load(path, overrides)
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:

@@ -146,7 +146,7 @@ def _allowed(error) -> str:
         return f"one of {schema['enum']}"
     if kind in ("minLength", "minItems"):
         return f"at least {schema[kind]} {'character' if kind == 'minLength' else 'item'}(s)"
-    if kind in ("minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "exclusiveMinimum"):
+    if kind in ("minimum", "maximum"):
         lo, hi = schema.get("minimum"), schema.get("maximum")
         if lo is not None and hi is not None:
             return f"a value from {lo} to {hi}"
@@ -234,7 +234,28 @@ def from_dict(raw: dict) -> Config:
     return cfg
 
 
-def load(path: str | Path) -> Config:
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`section.key=value` strings, each value parsed as YAML, set into `raw` (validated later like any config)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects section.key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text  # e.g. a template such as "{folder} photo": a plain string; the schema decides
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {key}: {part} is not a section")
+        node[leaf] = value
+    return raw
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read, override, validate: a bad file or value is a one-line UserError."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
@@ -243,4 +264,8 @@ def load(path: str | Path) -> Config:
             raw = yaml.safe_load(f)
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    return from_dict(raw)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {path}: expected a mapping of sections at the top level")
+    return from_dict(apply_overrides(raw, list(overrides)))

@@ -7,7 +7,6 @@ use it to read pixels, so what was validated is exactly what gets encoded.
 from __future__ import annotations
 
 import io
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -47,24 +46,21 @@ def load_rgb(source: str | Path | bytes, background=(255, 255, 255), max_pixels:
     data = Path(source).read_bytes() if not isinstance(source, bytes) else source
     if not data:
         raise ImageRejected("empty file (0 bytes)")
-    # Pillow's own bomb check runs inside open(); make its limit ours, and treat its warning as a rejection.
-    Image.MAX_IMAGE_PIXELS = max_pixels
+    # Our own bomb check below reads only the header, before any pixel is decoded; Pillow's global one would
+    # apply its default limit instead of the configured one (and warns through a filter that is not thread-safe).
+    Image.MAX_IMAGE_PIXELS = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > max_pixels:
-                raise ImageRejected(f"too many pixels ({img.width}x{img.height} > {max_pixels}): "
-                                    "possible decompression bomb")
-            img.load()
-            img = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(img, tuple(background))
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > max_pixels:
+            raise ImageRejected(f"too many pixels ({img.width}x{img.height} > {max_pixels}): "
+                                "possible decompression bomb")
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        rgb = _to_rgb(img, tuple(background))
     except ImageRejected:
         raise
     except UnidentifiedImageError:
         raise ImageRejected("not a recognised image format") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageRejected(f"too many pixels (> {max_pixels}): possible decompression bomb") from None
     except Exception as exc:  # noqa: BLE001 - any decoder failure (struct.error in EXIF, plugin bugs) is a bad file
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ImageRejected(f"cannot decode: {detail}") from None
@@ -73,10 +69,12 @@ def load_rgb(source: str | Path | bytes, background=(255, 255, 255), max_pixels:
     return rgb
 
 
-def image_format(data: bytes) -> str | None:
-    """The format Pillow sees in the bytes (PNG, JPEG, ...), or None."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.format
-    except Exception:  # noqa: BLE001 - any failure means "not an image"
-        return None
+def load_checked(path: str | Path, image_id: str, background=(255, 255, 255),
+                 max_pixels: int = 89478485) -> Image.Image:
+    """load_rgb for a later stage: the bytes must still be the ones prepare named `image_id`."""
+    from sdpipe.hashing import sha256_bytes
+
+    data = Path(path).read_bytes()
+    if sha256_bytes(data) != image_id:
+        raise ImageRejected("file changed since prepare; rerun prepare")
+    return load_rgb(data, background=background, max_pixels=max_pixels)

@@ -9,6 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+# mkstemp makes 0600 files; give ours the permissions an ordinary open() would (read once: umask is process-wide).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -22,6 +26,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -30,12 +30,14 @@ class Preprocess:
         return asdict(self)
 
 
-def cover_and_crop(img: Image.Image, p: Preprocess, image_id: str) -> tuple[Image.Image, tuple[int, int]]:
-    """Scale so the image covers the bucket, cut the overhang; return the image and the crop's (top, left)."""
+def crop_box(width: int, height: int, p: Preprocess, image_id: str) -> tuple[tuple[int, int], int, int]:
+    """(resized (w, h), top, left): scale so the image covers the bucket, then where the overhang is cut.
+
+    Pure arithmetic, so the latents stage can record SDXL's crop conditioning without decoding anything.
+    """
     bw, bh = p.bucket
-    scale = max(bw / img.width, bh / img.height)
-    size = (max(bw, round(img.width * scale)), max(bh, round(img.height * scale)))
-    img = img.resize(size, RESAMPLE[p.interpolation])
+    scale = max(bw / width, bh / height)
+    size = (max(bw, round(width * scale)), max(bh, round(height * scale)))
     spare_x, spare_y = size[0] - bw, size[1] - bh
     if p.crop == "random":
         # Seeded by the image id: the same image always gets the same crop, on any machine or GPU count.
@@ -43,6 +45,14 @@ def cover_and_crop(img: Image.Image, p: Preprocess, image_id: str) -> tuple[Imag
         left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
     else:
         left, top = spare_x // 2, spare_y // 2
+    return size, top, left
+
+
+def cover_and_crop(img: Image.Image, p: Preprocess, image_id: str) -> tuple[Image.Image, tuple[int, int]]:
+    """Resize and crop to the bucket (see crop_box); return the image and the crop's (top, left)."""
+    size, top, left = crop_box(img.width, img.height, p, image_id)
+    bw, bh = p.bucket
+    img = img.resize(size, RESAMPLE[p.interpolation])
     img = img.crop((left, top, left + bw, top + bh))
     if p.flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

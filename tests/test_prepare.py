@@ -20,7 +20,7 @@ from PIL import Image
 from sdpipe import config, io
 from sdpipe.buckets import assign_bucket, make_buckets
 from sdpipe.errors import UserError
-from sdpipe.stages import prepare
+from sdpipe.stages import prepare, prepare_decode
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"id", "path", "width", "height", "format", "mode", "bucket", "split", "repeats", "folder", "sidecar",
@@ -53,7 +53,7 @@ def noise(size=(64, 64), fmt="PNG", seed=0) -> bytes:
 def make_cfg(raw: Path, **prepare_overrides):
     prep = {"min_size": 32, "max_pixels": 1_000_000, "workers": 1, "buckets": {"resolution": 32, "step": 8}}
     prep.update(prepare_overrides)
-    return config.from_dict({"data": {"raw_dir": str(raw)}, "prepare": prep})
+    return config.from_dict({"data": {"raw_dir": str(raw)}, "prepare": prep, "cache_dir": str(raw.parent / "cache")})
 
 
 def outputs_in(folder: Path) -> dict[str, Path]:
@@ -183,6 +183,7 @@ def test_incremental_rerun_reuses(happy, tmp_path, monkeypatch):
         raise AssertionError("decoded again")
 
     monkeypatch.setattr("sdpipe.images.load_rgb", no_decoding)
+    shutil.rmtree(out)  # Snakemake and DVC delete a stage's outputs before rerunning it
     second, _, summary = run_prepare(happy, out)
     assert second == first
     assert summary["reused"] == summary["accepted"] == 6 and summary["decoded"] == 0
@@ -193,13 +194,13 @@ def test_incremental_rerun_reuses(happy, tmp_path, monkeypatch):
 
 def test_process_pool_matches_plain_loop(tmp_path):
     raw = tmp_path / "raw"
-    for i in range(prepare.POOL_MIN_FILES + 6):
+    for i in range(prepare_decode.POOL_MIN_FILES + 6):
         put(raw, f"img_{i:03d}.png", solid((i, 255 - i, (7 * i) % 256), (40 + i % 3 * 8, 40)))
     put(raw, "broken.png", b"\x89PNG\r\n\x1a\nnot really")
     plain = run_prepare(raw, tmp_path / "plain")
     pooled = run_prepare(raw, tmp_path / "pool", workers=2)
     assert pooled[0] == plain[0] and pooled[1] == plain[1]
-    assert len(plain[0]) == prepare.POOL_MIN_FILES + 6 and len(plain[1]) == 1
+    assert len(plain[0]) == prepare_decode.POOL_MIN_FILES + 6 and len(plain[1]) == 1
 
 
 # --- bad inputs --------------------------------------------------------------------------------------------------

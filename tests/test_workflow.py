@@ -49,7 +49,8 @@ def test_adding_three_images_recomputes_only_those(project, tmp_path):
         if f.is_file():
             shutil.copy(f, new_dir / f"new_{f.name}")
     run(["snakemake", "--cores", "2", "latents"], project)
-    assert summary(project, "prepare")["accepted"] == 43
+    prep = summary(project, "prepare")
+    assert (prep["accepted"], prep["decoded"], prep["reused"]) == (43, 3, 40)
     cap, lat = summary(project, "captions"), summary(project, "latents")
     assert (cap["captioned"], cap["reused"]) == (3, 40)
     assert (lat["encoded"], lat["reused"]) == (3, 40)

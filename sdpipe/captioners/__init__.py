@@ -76,13 +76,16 @@ def write_cache(root: str | Path, key: str, source: str, caption: str | None) ->
 # --- the worker: one process per device (run by sdpipe.parallel.run_sharded) ----------------------------------
 
 def caption_worker(device: str, jobs: list[dict], report: Callable[[int], None], *, spec: ModelSpec,
-                   cache_root: str, batch_size: int) -> list[dict]:
-    """Caption jobs ({"key", "file"}) in batches; return {"key", "caption", "error"} for each, in order."""
+                   cache_root: str, batch_size: int, pixels: dict) -> list[dict]:
+    """Caption jobs ({"key", "file", "id"}) in batches; return {"key", "caption", "error"} for each, in order.
+
+    `pixels` holds load_checked's background and max_pixels, so a model sees what prepare validated.
+    """
     model = _load(spec, device)
     results: list[dict] = []
     for start in range(0, len(jobs), batch_size):
         batch = jobs[start:start + batch_size]
-        results += _caption_batch(model, spec.source, batch, cache_root)
+        results += _caption_batch(model, spec.source, batch, cache_root, pixels)
         report(len(batch))
     return results
 
@@ -94,14 +97,14 @@ def _load(spec: ModelSpec, device: str) -> CaptionFn:
         raise UserError(f"cannot load the {spec.source} model {spec.provenance.get('model')}: {one_line(exc)}") from exc
 
 
-def _caption_batch(model: CaptionFn, source: str, batch: list[dict], cache_root: str) -> list[dict]:
-    from sdpipe.images import ImageRejected, load_rgb
+def _caption_batch(model: CaptionFn, source: str, batch: list[dict], cache_root: str, pixels: dict) -> list[dict]:
+    from sdpipe.images import ImageRejected, load_checked
 
     out: dict[str, dict] = {}
     images, loaded = [], []
     for job in batch:
         try:
-            images.append(load_rgb(job["file"]))
+            images.append(load_checked(job["file"], job["id"], **pixels))
             loaded.append(job)
         except (ImageRejected, OSError) as exc:
             out[job["key"]] = {"key": job["key"], "caption": None, "error": f"{source}: cannot read image: {exc}"}

@@ -10,12 +10,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sdpipe import hashing, weights
+from sdpipe import weights
 from sdpipe.captioners import CaptionFn, ModelSpec
 from sdpipe.errors import UserError
 
 # Files besides the weights that change the output: image preprocessing and the tokenizer that decodes it.
-SUPPORT_SUFFIXES = (".json", ".txt", ".model")
 
 
 def _check_folder(name: str, local: Path) -> None:
@@ -31,21 +30,16 @@ def _check_folder(name: str, local: Path) -> None:
                         "use a BLIP captioning model such as Salesforce/blip-image-captioning-base")
 
 
-def _support_hash(local: Path, memo: weights.HashMemo) -> str:
-    files = [p for p in sorted(local.rglob("*")) if p.is_file() and p.suffix in SUPPORT_SUFFIXES
-             and not any(part.startswith(".") for part in p.relative_to(local).parts)]
-    return hashing.key_of([(str(p.relative_to(local)), memo.file_hash(p)) for p in files])
-
-
 def describe(cfg, memo_file) -> ModelSpec:
     b = cfg.caption.blip
     local = weights.resolve(b.model)
     _check_folder(b.model, local)
     memo = weights.HashMemo(memo_file)
-    weights_sha256 = memo.tree_hash(local)
+    # Every file: the processor's and tokenizer's files decide the captions as much as the weights do.
+    weights_sha256 = memo.tree_hash(local, every_file=True)
     params = dataclasses.asdict(b)
     # The model's name is left out of the key on purpose: the same weights under another path reuse the cache.
-    key_params = {**{k: v for k, v in params.items() if k != "model"}, "support_sha256": _support_hash(local, memo)}
+    key_params = {k: v for k, v in params.items() if k != "model"}
     provenance = {"source": "blip", "model": b.model, "weights_sha256": weights_sha256, "params": params}
     return ModelSpec("blip", str(local), weights_sha256, key_params, provenance, params)
 

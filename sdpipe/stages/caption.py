@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdpipe import hashing, io, parallel
-from sdpipe.errors import UserError
+from sdpipe.stages import read_upstream
 
 log = logging.getLogger(__name__)
+CACHE_VERSION = 1  # bump when a captioner's output changes for the same inputs, so old entries are not reused
 INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
 OUTPUTS = {"captions": "results/captions/captions.jsonl", "summary": "results/captions/summary.json"}
 NO_CAPTION = "no captioner in the chain yielded a caption"
@@ -42,12 +43,6 @@ def caption_devices(cfg) -> list[str]:
     return parallel.devices_for(parallel.resolve_gpus(cfg.caption.gpus), 1)
 
 
-def _read_manifest(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        raise UserError(f"manifest {path} not found; run `snakemake prepare` (or `sdpipe prepare`) first")
-    return io.read_jsonl(path)
-
-
 def _free_step(cfg, source: str, items: list[Item], root: Path) -> None:
     from sdpipe.captioners import free, read_cache, write_cache
 
@@ -55,7 +50,7 @@ def _free_step(cfg, source: str, items: list[Item], root: Path) -> None:
         proposal = free.propose(source, cfg.caption.template, item.row)
         if proposal is None:
             continue
-        key = hashing.key_of(item.row["id"], source, proposal.key_inputs)
+        key = hashing.key_of(CACHE_VERSION, item.row["id"], source, proposal.key_inputs)
         if read_cache(root, key) is None:  # cheap to compute, but the cache says what changed since the last run
             write_cache(root, key, source, proposal.caption)
             item.computed = True
@@ -67,9 +62,10 @@ def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]
     from sdpipe import captioners
 
     spec = captioners.describe(cfg, source, Path(cfg.cache_dir) / "weight-hashes.json")
+    pixels = {"background": tuple(cfg.prepare.alpha_background), "max_pixels": cfg.prepare.max_pixels}
     misses: dict[str, list[Item]] = {}
     for item in items:
-        key = hashing.key_of(item.row["id"], source, spec.key_params, spec.weights_sha256)
+        key = hashing.key_of(CACHE_VERSION, item.row["id"], source, spec.key_params, spec.weights_sha256, pixels)
         hit = captioners.read_cache(root, key)
         if hit is not None:
             item.accept(source, hit["caption"], spec.provenance)
@@ -80,9 +76,10 @@ def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]
     devices = caption_devices(cfg)[:len(misses)]  # a device without work would only load the model
     log.info("caption: %s for %d images on %s (%d cached)", source, len(misses), ",".join(devices),
              len(items) - sum(len(v) for v in misses.values()))
-    jobs = [{"key": key, "file": str(Path(cfg.data.raw_dir) / group[0].row["path"])} for key, group in misses.items()]
+    jobs = [{"key": key, "id": group[0].row["id"], "file": str(Path(cfg.data.raw_dir) / group[0].row["path"])}
+            for key, group in misses.items()]
     parts = parallel.run_sharded(captioners.caption_worker, jobs, devices, f"captioning ({source})", spec=spec,
-                                 cache_root=str(root), batch_size=cfg.caption.batch_size)
+                                 cache_root=str(root), batch_size=cfg.caption.batch_size, pixels=pixels)
     for result in (r for part in parts for r in part):
         for item in misses[result["key"]]:
             if result["error"]:
@@ -131,7 +128,7 @@ def _summary(cfg, items: list[Item], devices: list[str], seconds: float) -> dict
 
 
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    rows = _read_manifest(inputs["manifest"])
+    rows = read_upstream(inputs["manifest"], "prepare")
     start = time.perf_counter()
     items, devices = caption_items(cfg, rows)
     summary = _summary(cfg, items, devices, time.perf_counter() - start)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sdpipe import hashing, images
+from sdpipe import images
 from sdpipe.cache_store import ShardStore
 from sdpipe.preprocess import Preprocess, cover_and_crop, to_tensor
 
@@ -56,12 +56,10 @@ def _batches(jobs: list[dict], size: int):
 
 
 def _load_pixels(job: dict, settings: dict):
-    data = (Path(settings["raw_dir"]) / job["path"]).read_bytes()
-    if hashing.sha256_bytes(data) != job["id"]:
-        raise images.ImageRejected("file changed since prepare; rerun prepare")
     pre = job["pre"]
     p = Preprocess(**{**pre, "bucket": tuple(pre["bucket"]), "background": tuple(pre["background"])})
-    img = images.load_rgb(data, background=p.background, max_pixels=settings["max_pixels"])
+    img = images.load_checked(Path(settings["raw_dir"]) / job["path"], job["id"], p.background,
+                              settings["max_pixels"])
     return to_tensor(cover_and_crop(img, p, job["id"])[0])
 
 

@@ -15,17 +15,13 @@ from pathlib import Path
 from sdpipe import hashing, io, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
-from sdpipe.preprocess import Preprocess
+from sdpipe.preprocess import Preprocess, crop_box
+from sdpipe.stages import read_upstream
 
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
-
-
-def _read(path: Path, made_by: str) -> list[dict]:
-    if not path.is_file():
-        raise UserError(f"{path} not found; run `snakemake {made_by}` first")
-    return io.read_jsonl(path)
+CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
 def describe_model(cfg) -> dict:
@@ -37,7 +33,7 @@ def describe_model(cfg) -> dict:
 
     m = cfg.model
     memo = Path(cfg.cache_dir) / "weight-hashes.json"
-    local = str(weights.resolve(m.pretrained, m.revision))
+    local = str(loading.model_index(m.pretrained, m.revision)[0])  # one-line error if not a diffusers folder
     vae_cfg = AutoencoderKL.load_config(local, subfolder="vae")
     texts = loading.text_component_names(local)
     return {
@@ -51,6 +47,7 @@ def describe_model(cfg) -> dict:
         "shift_factor": vae_cfg.get("shift_factor"),
         "vae_downsample": 2 ** (len(vae_cfg["block_out_channels"]) - 1),
         "dtype": cfg.latents.dtype,
+        "variant": m.variant,  # a variant loads other weight files than the hashes above may single out
     }
 
 
@@ -74,24 +71,30 @@ def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
         if not caption:
             failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
             continue
-        text_key = hashing.key_of("text", caption, model["text_sha256"], lat.dtype, model["family"])
+        text_key = hashing.key_of("text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], lat.dtype,
+                                  model["family"])
         texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
         item = {"id": row["id"], "path": row["path"], "bucket": row["bucket"], "repeats": row["repeats"],
-                "caption": caption, "text_key": text_key, "flip_key": None}
+                "caption": caption, "text_key": text_key, "flip_key": None,
+                "original_size": [row["height"], row["width"]]}  # SDXL's size conditioning is (h, w)
         for flip in ([False, True] if lat.flip else [False]):
             p = Preprocess(bucket=tuple(row["bucket"]), resize=lat.resize, crop=lat.crop,
                            interpolation=lat.interpolation, flip=flip,
                            background=tuple(cfg.prepare.alpha_background))
-            key = hashing.key_of("latent", row["id"], p.as_key(), model["vae_sha256"], lat.dtype)
+            key = hashing.key_of("latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"],
+                                 model["variant"], lat.dtype)
             item["flip_key" if flip else "latent_key"] = key
+            if not flip:
+                _, top, left = crop_box(row["width"], row["height"], p, row["id"])
+                item["crop_top_left"] = [top, left]
             images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"], "pre": p.as_key()}
         items.append(item)
     return items, list(images.values()), list(texts.values()), failed
 
 
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    rows = [r for r in _read(inputs["manifest"], "prepare") if r["split"] == "train"]
-    captions = {c["id"]: c for c in _read(inputs["captions"], "caption")}
+    rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
+    captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
     _check_buckets(rows, model["vae_downsample"])
     items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
@@ -138,11 +141,13 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) 
         "text_store": str(Path(cfg.cache_dir) / "text"), "items": kept, "failed": failed})
     summary = {
         "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),
-        "text_encoded": sum(j["kind"] == "text" for j in todo), "devices": devices, "seconds": round(seconds, 3),
+        "devices": devices, "seconds": round(seconds, 3),
         "images_per_s": round(encoded / seconds, 3) if encoded and seconds > 0 else None,
         "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
     }
-    summary["text_reused"] = len({it["text_key"] for it in kept}) - summary["text_encoded"]
+    kept_text = {it["text_key"] for it in kept}
+    summary["text_encoded"] = len(kept_text & {j["key"] for j in todo if j["kind"] == "text"})
+    summary["text_reused"] = len(kept_text) - summary["text_encoded"]
     io.write_json(outputs["summary"], summary)
     log.info("latents: %d encoded, %d reused, %d failed (%s images/s)", encoded, summary["reused"], len(failed),
              summary["images_per_s"])

@@ -5,8 +5,7 @@ extension, in which case it is the sidecar caption of the image with the same st
 fully decoded once (in a process pool for large folders); a file that fails goes to the rejected list with a
 one-line reason instead of stopping the run. Raw files are only ever read.
 
-A rerun with the same validation parameters reuses the previous manifest's decode results for content ids it has
-seen (the bytes are still read and hashed), so adding ten images to ten thousand decodes ten.
+Decoding is cached by content (see prepare_decode), so adding ten images to ten thousand decodes ten.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from sdpipe import hashing, io
+from sdpipe import io
 from sdpipe.errors import UserError
-from sdpipe.log import progress
+from sdpipe.stages.prepare_decode import inspect_all
 
 log = logging.getLogger(__name__)
 INPUTS: dict[str, str] = {}
@@ -30,7 +29,6 @@ OUTPUTS = {
     "rejected": "results/prepare/rejected.jsonl",
     "summary": "results/prepare/summary.json",
 }
-POOL_MIN_FILES = 64  # below this, starting worker processes costs more than decoding in this one
 DECODED_KEYS = ("width", "height", "format", "mode")
 SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
 MAX_LOGGED_WARNINGS = 10
@@ -94,103 +92,12 @@ def read_sidecar(path: Path) -> tuple[str | None, str | None]:
     return " ".join(text.split()) or None, None
 
 
-# --- hashing and decoding (runs in worker processes) -------------------------------------------------------------
-
-_WORKER_STATE: dict = {}
-
-
-def inspect_file(path: str, params: dict, known: frozenset[str] | set[str]) -> dict:
-    """Hash the file; decode it unless its id is known. {"id", "reused"} | {"id", "reason"} | {"id", decoded keys}."""
-    from sdpipe import images
-
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        return {"id": None, "reason": f"cannot read: {exc.strerror or exc}"}
-    image_id = hashing.sha256_bytes(data)
-    if image_id in known:
-        return {"id": image_id, "reused": True}
-    try:
-        rgb = images.load_rgb(data, background=tuple(params["alpha_background"]), max_pixels=params["max_pixels"],
-                              min_size=params["min_size"])
-        fmt, mode = _format_and_mode(data)
-    except images.ImageRejected as exc:
-        return {"id": image_id, "reason": str(exc)}
-    except Exception as exc:  # noqa: BLE001 - one hostile file must not stop a run over thousands
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return {"id": image_id, "reason": f"cannot decode: {type(exc).__name__} {first}".strip()}
-    return {"id": image_id, "width": rgb.width, "height": rgb.height, "format": fmt, "mode": mode}
-
-
-def _format_and_mode(data: bytes) -> tuple[str, str]:
-    """The container format and the mode before RGB conversion, from the header (cheap: no pixel decode)."""
-    import io as bytes_io
-
-    from PIL import Image
-
-    with Image.open(bytes_io.BytesIO(data)) as img:
-        return img.format or "unknown", img.mode
-
-
-def _init_worker(params: dict, known: frozenset[str]) -> None:
-    # Sent once per process, not once per file: the known-id set can hold hundreds of thousands of ids.
-    _WORKER_STATE.update(params=params, known=known)
-
-
-def _inspect_in_worker(path: str) -> dict:
-    return inspect_file(path, _WORKER_STATE["params"], _WORKER_STATE["known"])
-
-
-def inspect_all(raw: Path, rels: list[str], params: dict, known: set[str], workers: int) -> list[dict]:
-    """inspect_file for every path, in order; in a process pool when there are enough files to pay for one."""
-    paths = [str(raw / rel) for rel in rels]
-    workers = min(workers, len(paths))
-    with progress(len(paths), "prepare: hashing and decoding") as advance:
-        if workers <= 1 or len(paths) < POOL_MIN_FILES:
-            results = []
-            for path in paths:
-                results.append(inspect_file(path, params, known))
-                advance(1)
-            return results
-        return _inspect_pooled(paths, params, known, workers, advance)
-
-
-def _inspect_pooled(paths: list[str], params: dict, known: set[str], workers: int, advance) -> list[dict]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    # spawn, not fork: the parent may hold threads (torch, a rich progress bar) and forking those can deadlock.
-    # The price is the usual spawn rule: a script that calls run() must guard its entry with __name__ == "__main__".
-    context = multiprocessing.get_context("spawn")
-    chunk = max(1, min(64, len(paths) // (workers * 8)))
-    results = []
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                             initargs=(params, frozenset(known))) as pool:
-        for result in pool.map(_inspect_in_worker, paths, chunksize=chunk):
-            results.append(result)
-            advance(1)
-    return results
-
-
-# --- incremental reuse -------------------------------------------------------------------------------------------
+# --- validation parameters --------------------------------------------------------------------------------------
 
 def validation_params(cfg) -> dict:
+    """Everything that decides a decode result; part of the cache key."""
     p = cfg.prepare
     return {"min_size": p.min_size, "max_pixels": p.max_pixels, "alpha_background": list(p.alpha_background)}
-
-
-def previous_results(manifest: Path, summary: Path, params: dict) -> dict[str, dict]:
-    """id -> decoded keys from the last run, if it validated with the same params; else nothing."""
-    if not (manifest.is_file() and summary.is_file()):
-        return {}
-    try:
-        if io.read_json(summary).get("params") != params:
-            log.info("validation settings changed since the last run: decoding every image again")
-            return {}
-        return {row["id"]: {k: row[k] for k in DECODED_KEYS} for row in io.read_jsonl(manifest)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.info("previous manifest not reusable (%s): decoding every image again", exc)
-        return {}
 
 
 # --- rows --------------------------------------------------------------------------------------------------------
@@ -229,8 +136,7 @@ class Outcome:
     reused: int = 0
 
 
-def collect(cfg, raw: Path, rels: list[str], results: list[dict], known: dict[str, dict],
-            sidecar_of: dict[str, str]) -> Outcome:
+def collect(cfg, raw: Path, rels: list[str], results: list[dict], sidecar_of: dict[str, str]) -> Outcome:
     """Turn per-file results into manifest rows, rejections and duplicates (the first path by sort order wins)."""
     from sdpipe.buckets import make_buckets
 
@@ -244,10 +150,9 @@ def collect(cfg, raw: Path, rels: list[str], results: list[dict], known: dict[st
             out.duplicates.append({"path": rel, "duplicate_of": first_path[res["id"]]})
         else:
             first_path[res["id"]] = rel
-            info = known[res["id"]] if res.get("reused") else res
-            out.reused += bool(res.get("reused"))
-            out.decoded += not res.get("reused")
-            out.rows.append(_row(cfg, raw, rel, res["id"], info, sidecar_of.get(rel), buckets, out))
+            out.reused += res["reused"]
+            out.decoded += not res["reused"]
+            out.rows.append(_row(cfg, raw, rel, res["id"], res, sidecar_of.get(rel), buckets, out))
     return out
 
 
@@ -343,11 +248,10 @@ def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     raw, images, sidecars = _candidates(cfg)
     params = validation_params(cfg)
-    known = previous_results(Path(outputs["manifest"]), Path(outputs["summary"]), params)
     workers = cfg.prepare.workers or os.cpu_count() or 1
-    results = inspect_all(raw, images, params, set(known), workers)
+    results = inspect_all(raw, images, params, str(Path(cfg.cache_dir) / "prepare"), workers)
     sidecar_of, shadowed = match_sidecars(images, sidecars, cfg.data.caption_extensions)
-    out = collect(cfg, raw, images, results, known, sidecar_of)
+    out = collect(cfg, raw, images, results, sidecar_of)
     out.warnings += sidecar_warnings(sidecars, sidecar_of, out, shadowed)
     out.rejected.sort(key=lambda r: r["path"])
     _check_usable(cfg, out, len(images))

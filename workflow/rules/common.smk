@@ -43,7 +43,8 @@ def raw_files(wildcards):
     root = Path(RAW_DIR)
     if not root.is_dir():
         return []
-    return sorted(str(p) for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.parts))
+    files = (p for p in root.rglob("*") if p.is_file())
+    return sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts))
 
 
 def model_files(wildcards):
