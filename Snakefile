@@ -1,4 +1,4 @@
-# sdpipe: raw images -> prepare -> caption -> latents (-> train -> export -> evaluate -> report, in later stages).
+# sdpipe: raw images -> prepare -> caption -> latents -> train (-> export -> evaluate -> report, in later stages).
 # Rules live in workflow/rules/, one file per phase; every rule calls one `sdpipe <stage>` command.
 from snakemake.utils import min_version
 
@@ -11,9 +11,10 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.latents.output,
+        rules.train.output,

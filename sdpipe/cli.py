@@ -19,6 +19,7 @@ STAGES = {
     "prepare": "sdpipe.stages.prepare",
     "caption": "sdpipe.stages.caption",
     "latents": "sdpipe.stages.latents",
+    "train": "sdpipe.stages.train",
 }
 DEFAULT_CONFIG = "config/config.yaml"
 

@@ -98,6 +98,53 @@ class LatentsConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+@dataclass(frozen=True)
+class MultiNodeConfig:
+    num_machines: int
+    machine_rank: int
+    main_process_ip: str | None
+    main_process_port: int
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mode: str
+    num_processes: int | Literal["auto"]
+    per_device_batch_size: int
+    grad_accum_steps: int
+    max_steps: int | None
+    epochs: int
+    learning_rate: float
+    lr_scheduler: str
+    lr_warmup_steps: int
+    adam_beta1: float
+    adam_beta2: float
+    adam_weight_decay: float
+    adam_epsilon: float
+    max_grad_norm: float | None
+    mixed_precision: str
+    gradient_checkpointing: bool
+    prediction_type: str | None
+    snr_gamma: float | None
+    noise_offset: float
+    input_perturbation: float
+    caption_dropout: float
+    checkpoint_every: int
+    keep_checkpoints: int
+    resume: str | None
+    log_every: int
+    lora: LoraConfig
+    multi_node: MultiNodeConfig
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int
     cache_dir: str
@@ -106,6 +153,7 @@ class Config:
     prepare: PrepareConfig
     caption: CaptionConfig
     latents: LatentsConfig
+    train: TrainConfig
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
 

@@ -1,5 +1,5 @@
-"""`dvc repro` in a fresh git repo: runs the stages, does nothing the second time, and after one image changes
-captions and encodes only that image."""
+"""`dvc repro` in a fresh git repo: runs the stages through training, does nothing the second time, and after
+one image changes captions and encodes only that image (and trains again on the new data)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ def summary(project, stage):
 
 
 def test_dvc_repro_is_incremental(tmp_path, demo_source):
-    proj = make_project(tmp_path / "repo", demo_source, with_code=True, prepare={"eval_fraction": 0.0, "workers": 1})
+    proj = make_project(tmp_path / "repo", demo_source, with_code=True, prepare={"eval_fraction": 0.0, "workers": 1},
+                        train={"max_steps": 4, "per_device_batch_size": 4, "checkpoint_every": 2, "lr_warmup_steps": 0})
     for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"]):
         run(cmd, proj)
     run([DVC, "repro"], proj)
     assert summary(proj, "latents")["encoded"] == 40
-    assert (proj / "dvc.lock").is_file()
+    assert summary(proj, "train")["optimizer_steps"] == 4
+    assert (proj / "dvc.lock").is_file() and (proj / "results/train/final/unet").is_dir()
 
     second = run([DVC, "repro"], proj)
     assert "Data and pipelines are up to date" in second.stdout
@@ -41,3 +43,5 @@ def test_dvc_repro_is_incremental(tmp_path, demo_source):
     cap, lat = summary(proj, "captions"), summary(proj, "latents")
     assert (cap["captioned"], cap["reused"]) == (1, 39)
     assert (lat["encoded"], lat["reused"]) == (1, 39)
+    trained = summary(proj, "train")
+    assert trained["samples_this_run"] == trained["samples_seen"] > 0, "new data trains afresh, not resumed"

@@ -21,6 +21,7 @@ from sdpipe.stages import read_upstream
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
+INDEX_VERSION = 2  # the layout of results/latents/index.json that training reads
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
@@ -62,17 +63,22 @@ def _check_buckets(rows: list[dict], factor: int) -> None:
                         f"set prepare.buckets.step to a multiple of {factor}")
 
 
+def _text_key(caption: str, model: dict, dtype: str) -> str:
+    return hashing.key_of("text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"])
+
+
 def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
     """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in."""
     lat = cfg.latents
     items, images, texts, failed = [], {}, {}, []
+    # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
+    texts[_text_key("", model, lat.dtype)] = {"kind": "text", "key": _text_key("", model, lat.dtype), "caption": ""}
     for row in rows:
         caption = captions.get(row["id"], {}).get("caption")
         if not caption:
             failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
             continue
-        text_key = hashing.key_of("text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], lat.dtype,
-                                  model["family"])
+        text_key = _text_key(caption, model, lat.dtype)
         texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
         item = {"id": row["id"], "path": row["path"], "bucket": row["bucket"], "repeats": row["repeats"],
                 "caption": caption, "text_key": text_key, "flip_key": None,
@@ -137,7 +143,8 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) 
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
     encoded = len({it["id"] for it in kept} & encoded_ids)
     io.write_json(outputs["index"], {
-        "version": 1, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
+        "version": INDEX_VERSION, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
+        "empty_text_key": _text_key("", model, cfg.latents.dtype),
         "text_store": str(Path(cfg.cache_dir) / "text"), "items": kept, "failed": failed})
     summary = {
         "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),

@@ -33,6 +33,19 @@ def gpus_for(section):
     return min(resolve_gpus(CFG[section]["gpus"]), GPU_LIMIT)
 
 
+def train_processes():
+    """Training processes: train.num_processes, or every GPU the limit allows ("auto"; 1 on a CPU)."""
+    wanted = CFG["train"]["num_processes"]
+    if wanted == "auto":
+        return max(1, min(detect_gpu_count(), GPU_LIMIT))
+    return int(wanted)
+
+
+def train_gpus():
+    """GPUs held for training (one per process), none on a CPU-only machine."""
+    return min(train_processes(), GPU_LIMIT)
+
+
 MODEL = CFG["model"]["pretrained"]
 BUILD_PRESET = CFG["model"]["build_preset"]
 RAW_DIR = CFG["data"]["raw_dir"]

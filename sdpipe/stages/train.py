@@ -1,0 +1,100 @@
+"""Train the UNet (full or LoRA) on the latent cache with `accelerate launch`, one process per GPU.
+
+Everything that can be wrong with the settings is checked here, before any process is launched: the step plan,
+a batch no bucket can fill, LoRA targets, a missing cache, a checkpoint of another model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sdpipe import io
+from sdpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+INPUTS = {"index": "results/latents/index.json"}
+OUTPUTS = {"summary": "results/train/summary.json", "out": "results/train"}
+
+
+def num_processes(cfg) -> int:
+    from sdpipe.parallel import detect_gpu_count
+
+    n = cfg.train.num_processes
+    return max(1, detect_gpu_count()) if n == "auto" else int(n)
+
+
+def preflight(cfg, index: Path, out: Path, world: int) -> None:
+    from sdpipe.train import accounting, checkpoint
+    from sdpipe.train.data import LatentData
+    from sdpipe.train.loop import checkpoint_dir, model_id
+
+    data = LatentData(index)
+    t = cfg.train
+    sizes = accounting.count_buckets(data.sample_buckets())
+    accounting.check_batch_fits(sizes, world, t.per_device_batch_size)
+    plan = accounting.plan_steps(sizes, world, t.per_device_batch_size, t.grad_accum_steps, t.max_steps, t.epochs,
+                                 t.lr_warmup_steps)
+    if t.mode == "lora":
+        _check_lora_targets(cfg)
+    ident = model_id(cfg, data)
+    path = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
+    if path is not None:
+        checkpoint.check_compatible(checkpoint.read_state(path), ident, path)
+        log.info("resuming from %s", path)
+    log.info("\n%s", accounting.summary_block(plan))
+
+
+def _check_lora_targets(cfg) -> None:
+    """Build the UNet on the meta device (no weights) just to see its module names."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from sdpipe.models import loading
+    from sdpipe.train.models import add_lora
+
+    root, _ = loading.model_index(cfg.model.pretrained, cfg.model.revision)
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(root), subfolder="unet"))
+    add_lora(unet, cfg.train.lora)
+
+
+def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
+    mn = cfg.train.multi_node
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
+           "--num_machines", str(mn.num_machines), "--machine_rank", str(mn.machine_rank),
+           "--main_process_port", str(mn.main_process_port), "--dynamo_backend", "no",
+           "--mixed_precision", {"fp32": "no"}.get(cfg.train.mixed_precision, cfg.train.mixed_precision)]
+    if mn.main_process_ip:
+        cmd += ["--main_process_ip", mn.main_process_ip]
+    if world > 1 or mn.num_machines > 1:
+        cmd.append("--multi_gpu")  # on a CPU-only machine this starts gloo processes
+    gpus = _visible_gpus()
+    if gpus:
+        local = world // mn.num_machines
+        cmd += ["--gpu_ids", ",".join(str(i) for i in range(min(local, gpus)))]
+    return cmd + ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
+                  "--summary", str(summary)]
+
+
+def _visible_gpus() -> int:
+    from sdpipe.parallel import detect_gpu_count
+
+    return detect_gpu_count()
+
+
+def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+    out, summary = Path(outputs["out"]), Path(outputs["summary"])
+    world = num_processes(cfg)
+    preflight(cfg, Path(inputs["index"]), out, world)
+    config_path = out / "config.yaml"  # the resolved config every process reads
+    io.write_yaml(config_path, cfg.raw)
+    cmd = launch_command(cfg, world, config_path, Path(inputs["index"]), out, summary)
+    log.info("launching %d training process(es): %s", world, " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        raise UserError(f"training exited with code {rc}; its error is above")

@@ -1,0 +1,1 @@
+"""Training: step accounting, bucket sampling and the accelerate training loop."""

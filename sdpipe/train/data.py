@@ -1,0 +1,68 @@
+"""Training data: the latent cache written by the latents stage, read a batch at a time.
+
+Only cached tensors are read: the VAE and the text encoders never load for training (unless the text encoder is
+trained). Shards are memory-mapped safetensors files, so a batch costs a few page reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sdpipe import io
+from sdpipe.cache_store import SEP
+from sdpipe.errors import UserError
+from sdpipe.stages.latents import INDEX_VERSION
+
+
+class LatentData:
+    def __init__(self, index_path: str | Path):
+        index_path = Path(index_path)
+        if not index_path.is_file():
+            raise UserError(f"latent cache index {index_path} not found; run `snakemake latents` first")
+        self.index = io.read_json(index_path)
+        if self.index.get("version") != INDEX_VERSION:
+            raise UserError(f"{index_path} was written by another sdpipe version; rerun `snakemake latents`")
+        self.items = self.index["items"]
+        if not self.items:
+            raise UserError(f"{index_path} lists no training images; see results/latents/summary.json")
+        stores = {"latent": Path(self.index["latent_store"]), "text": Path(self.index["text_store"])}
+        self.where = {kind: io.read_json(root / "index.json")["keys"] for kind, root in stores.items()}
+        self.roots = stores
+        self._handles: dict[Path, object] = {}
+        # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
+        self.sample_items = [i for i, item in enumerate(self.items) for _ in range(item["repeats"])]
+        self.latent_channels = self._tensor("latent", self.items[0]["latent_key"], "latent").shape[0]
+        fields = ["hidden", "pooled"] if self.index["model"]["family"] == "sdxl" else ["hidden"]
+        self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
+
+    def latent_shape(self, sample: int) -> tuple[int, int, int]:
+        """(C, H, W) of a sample's latent, from its bucket and the VAE's downsampling."""
+        w, h = self.items[self.sample_items[sample]]["bucket"]
+        f = self.index["model"]["vae_downsample"]
+        return self.latent_channels, h // f, w // f
+
+    def sample_buckets(self) -> list[tuple[int, int]]:
+        return [tuple(self.items[i]["bucket"]) for i in self.sample_items]
+
+    def _tensor(self, kind: str, key: str, field: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = self.roots[kind] / self.where[kind][key]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(shard), framework="pt")
+        return self._handles[shard].get_tensor(f"{key}{SEP}{field}")
+
+    def batch(self, samples: list[int], flips: list[bool], drop_caption: list[bool]) -> dict:
+        """Stacked latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices."""
+        items = [self.items[self.sample_items[s]] for s in samples]
+        keys = [it["flip_key"] if flip and it["flip_key"] else it["latent_key"] for it, flip in zip(items, flips)]
+        out = {"latents": torch.stack([self._tensor("latent", k, "latent") for k in keys]).float()}
+        texts = [self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
+                 for it, drop in zip(items, drop_caption)]
+        for field in self.empty:
+            out[field] = torch.stack([t[field] for t in texts]).float()
+        out["time_ids"] = torch.tensor([[*it["original_size"], *it["crop_top_left"], it["bucket"][1], it["bucket"][0]]
+                                        for it in items], dtype=torch.float32)  # SDXL: size, crop, target (h, w)
+        return out

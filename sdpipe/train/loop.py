@@ -1,0 +1,268 @@
+"""The training process: one per GPU, started by `accelerate launch -m sdpipe.train.loop` (see stages/train.py).
+
+build -> resume -> loop over global batches -> save. Every rank runs the same code; only rank 0 logs and writes
+files, and every rank joins the collective saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sdpipe import config, io
+from sdpipe.errors import UserError
+from sdpipe.train import accounting, checkpoint, objective
+from sdpipe.train.data import LatentData
+from sdpipe.train.models import MIXED, build_lr_scheduler, build_optimizer, build_unet, save_final, trainable
+from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
+from sdpipe.train.telemetry import Telemetry
+
+log = logging.getLogger("sdpipe.train")
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once."""
+
+    cfg: object
+    accelerator: object
+    data: LatentData
+    plan: accounting.StepPlan
+    sampler: BucketSampler
+    unet: object
+    noise_scheduler: object
+    optimizer: object
+    lr_scheduler: object
+    out: Path
+    model_id: dict
+    prediction_type: str
+    state: SamplerState = None
+    step: int = 0
+    telemetry: Telemetry = None
+    ckpt_dir: Path = None
+    extra: dict = field(default_factory=dict)
+
+
+# Settings that may change between a run and its resume: they do not change what is being trained.
+OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node")
+
+
+def model_id(cfg, data: LatentData) -> dict:
+    """What a checkpoint must match to be resumed: the base model's weights and what is being trained."""
+    return {"vae_sha256": data.index["model"]["vae_sha256"], "pretrained": cfg.model.pretrained,
+            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if cfg.train.mode == "lora" else None}
+
+
+def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
+    """Checkpoints of one training setup on one dataset: `resume: latest` never continues a run with other
+    hyperparameters or other data (a finished run on old data would otherwise be "resumed" and do nothing)."""
+    from sdpipe.hashing import key_of
+
+    settings = {k: v for k, v in cfg.raw["train"].items() if k not in OPERATIONAL}
+    samples = [(it["latent_key"], it["flip_key"], it["text_key"], it["repeats"]) for it in data.items]
+    return out / "checkpoints" / key_of(ident, settings, cfg.seed, samples)[:12]
+
+
+def build(cfg, index: Path, out: Path) -> Run:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from sdpipe.models import loading
+
+    # cpu=True on a CPU-only machine: without it accelerate treats each process launched with --multi_gpu as a
+    # lone single process instead of one gloo rank of several.
+    accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
+                              cpu=not torch.cuda.is_available())
+    set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
+    data = LatentData(index)
+    t, world = cfg.train, accelerator.num_processes
+    buckets = data.sample_buckets()
+    plan = accounting.plan_steps(_bucket_sizes(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
+                                 t.max_steps, t.epochs, t.lr_warmup_steps)
+    unet = build_unet(cfg, accelerator.device)
+    noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)
+    optimizer = build_optimizer(cfg, trainable(unet), accelerator.device.type == "cuda")
+    lr_scheduler = build_lr_scheduler(cfg, optimizer, plan.lr_schedule_steps)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
+    prediction = t.prediction_type or noise_scheduler.config.prediction_type
+    ident = model_id(cfg, data)
+    return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
+               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data))
+
+
+def _bucket_sizes(buckets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    sizes: dict[tuple[int, int], int] = {}
+    for b in buckets:
+        sizes[b] = sizes.get(b, 0) + 1
+    return sizes
+
+
+def resume(run: Run) -> None:
+    path = checkpoint.find_resume(run.ckpt_dir, run.cfg.train.resume)
+    if path is None:
+        run.state = SamplerState(epoch=0, batches_done=0, global_batch=run.sampler.global_batch, seen=[],
+                                 samples_seen_total=0)
+        return
+    saved = checkpoint.read_state(path)
+    checkpoint.check_compatible(saved, run.model_id, path)
+    run.accelerator.load_state(str(path))
+    run.step = saved["step"]
+    run.state = run.sampler.resume(SamplerState.from_dict(saved["sampler"]))
+    if run.accelerator.is_main_process:
+        log.info("resumed from %s at optimizer step %d (%d samples seen)", path, run.step,
+                 run.state.samples_seen_total)
+
+
+def micro_step(run: Run, indices: list[int], global_count: int, accum: int, epoch: int) -> float:
+    """Forward and backward for this rank's share of one global batch; return the sum of its sample losses.
+
+    The loss is scaled so that DDP's average over ranks, summed over the accumulation, is the mean over every
+    sample of the optimizer step: a rank's share may be smaller (or empty) at a bucket's tail.
+    """
+    cfg, acc, t = run.cfg, run.accelerator, run.cfg.train
+    weight = 1.0
+    if not indices:  # DDP needs every rank in the backward: reuse a sample with zero weight
+        indices, weight = [0], 0.0
+    gens = [objective.sample_generator(cfg.seed, epoch, i) for i in indices]
+    start = time.perf_counter()
+    flips = [bool(torch.rand((1,), generator=g) < 0.5) for g in gens]
+    shape = run.data.latent_shape(indices[0])
+    draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, t)
+    batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
+    dev = acc.device
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    draws = {k: v.to(dev) for k, v in draws.items()}
+    run.telemetry.data_time(time.perf_counter() - start)
+    noisy = objective.noisy_input(run.noise_scheduler, batch["latents"], draws, t.input_perturbation)
+    with acc.autocast():
+        pred = run.unet(noisy, draws["timesteps"], encoder_hidden_states=batch["hidden"],
+                        added_cond_kwargs=_sdxl_kwargs(batch)).sample
+    tgt = objective.target(run.noise_scheduler, batch["latents"], draws["noise"], draws["timesteps"],
+                           run.prediction_type)
+    losses = objective.per_sample_loss(pred, tgt, run.noise_scheduler, draws["timesteps"], run.prediction_type,
+                                       t.snr_gamma)
+    acc.backward(losses.sum() * weight * acc.num_processes / (global_count * accum))
+    return float(losses.detach().sum()) * weight
+
+
+def _sdxl_kwargs(batch: dict) -> dict | None:
+    if "pooled" not in batch:
+        return None
+    return {"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}
+
+
+def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
+    """Clip, step, schedule; return the mean loss over every rank's samples (NaN stops the run)."""
+    acc, t = run.accelerator, run.cfg.train
+    if t.max_grad_norm is not None:
+        acc.clip_grad_norm_(trainable(run.unet), t.max_grad_norm)
+    run.optimizer.step()
+    run.lr_scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    totals = acc.reduce(torch.tensor([loss_sum, samples], device=acc.device, dtype=torch.float64), "sum")
+    mean = float(totals[0] / totals[1])
+    if not math.isfinite(mean):
+        last = checkpoint.complete_checkpoints(run.ckpt_dir)
+        raise UserError(f"loss is {mean} at optimizer step {run.step}; stopping. Last good checkpoint: "
+                        f"{last[-1] if last else 'none'} (lower train.learning_rate or use bf16)")
+    return mean
+
+
+def save_checkpoint(run: Run) -> None:
+    state = {"step": run.step, "sampler": run.state.to_dict(), "model_id": run.model_id,
+             "plan": run.plan.as_dict()}
+    checkpoint.save(run.accelerator, run.ckpt_dir, run.step, state, run.cfg.train.keep_checkpoints)
+
+
+def train_epoch(run: Run) -> bool:
+    """Train until the epoch ends or the step budget is spent; return True when training is complete."""
+    acc, k = run.accelerator, run.cfg.train.grad_accum_steps
+    epoch = run.state.epoch
+    remaining = run.sampler.remaining(run.state)
+    for start in range(0, len(remaining), k):
+        group = remaining[start:start + k]
+        loss_sum, samples = 0.0, 0
+        for j, chunk in enumerate(group):
+            mine = rank_slice(chunk, acc.process_index, acc.num_processes)
+            sync = j == len(group) - 1
+            ctx = acc.no_sync(run.unet) if not sync and acc.num_processes > 1 else _nullcontext()
+            with ctx:
+                loss_sum += micro_step(run, mine, len(chunk), len(group), epoch)
+            samples += len(mine)
+            run.state = run.sampler.advance(run.state, chunk)
+        mean = optimizer_step(run, loss_sum, samples)
+        run.telemetry.step(run, mean, sum(len(c) for c in group))
+        if run.step % run.cfg.train.checkpoint_every == 0 or run.step >= run.plan.total_optimizer_steps:
+            save_checkpoint(run)
+        if run.step >= run.plan.total_optimizer_steps:
+            return True
+    return False
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -> None:
+    if not run.accelerator.is_main_process:
+        return
+    p = run.plan
+    summary = {**p.as_dict(), "world_size": p.world_size, "per_device_batch_size": p.per_device_batch_size,
+               "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
+               "optimizer_steps": run.step, "epochs": p.epochs, "epochs_started": run.state.epoch + 1,
+               "samples_seen": run.state.samples_seen_total, "samples_this_run": samples_this_run,
+               "seconds": round(seconds, 3), "samples_per_s": round(samples_this_run / seconds, 3) if seconds else None,
+               "mode": run.cfg.train.mode, "mixed_precision": run.cfg.train.mixed_precision,
+               "prediction_type": run.prediction_type, "device": str(run.accelerator.device),
+               "peak_memory_mb": run.telemetry.peak_memory_mb()}
+    io.write_json(path, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sdpipe.log import setup_logging
+
+    parser = argparse.ArgumentParser(prog="sdpipe.train.loop")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--index", required=True)
+    parser.add_argument("--out", required=True, help="results/train: checkpoints, metrics, final weights")
+    parser.add_argument("--summary", required=True)
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        run = build(config.load(args.config, args.set), Path(args.index), Path(args.out))
+        if not run.accelerator.is_main_process:
+            logging.getLogger().setLevel(logging.WARNING)
+        resume(run)
+        run.telemetry = Telemetry(run)
+        log.info("\n%s", accounting.summary_block(run.plan))
+        seen_before, start = run.state.samples_seen_total, time.perf_counter()
+        while run.step < run.plan.total_optimizer_steps and not train_epoch(run):
+            pass
+        save_final(run.accelerator, run.unet, run.cfg.train.mode, run.out / "final")
+        write_summary(run, Path(args.summary), time.perf_counter() - start,
+                      run.state.samples_seen_total - seen_before)
+        run.telemetry.close()
+        run.accelerator.end_training()
+    except UserError as exc:
+        print(f"sdpipe train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

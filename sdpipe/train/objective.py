@@ -1,0 +1,59 @@
+"""The diffusion training objective, per sample, with noise drawn from per-sample generators.
+
+Noise, timesteps and caption dropout for a sample come from a generator seeded by (seed, epoch, sample index), not
+from a process-wide RNG. So a sample gets the same noise whichever rank, world size or resume point it lands on:
+two processes with batch b and one with batch 2b compute the same per-sample losses, and an interrupted run plus
+its resume sees exactly what an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from diffusers.training_utils import compute_snr
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{epoch}:{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg) -> dict[str, torch.Tensor]:
+    """Noise [B,C,H,W], timesteps [B] and a caption-dropout mask [B], one generator per sample (on the CPU)."""
+    c, h, w = shape
+    noise, steps, drop = [], [], []
+    for g in gens:
+        n = torch.randn((c, h, w), generator=g)
+        if cfg.noise_offset:  # per-channel offset: lets the model learn very dark and very bright images
+            n = n + cfg.noise_offset * torch.randn((c, 1, 1), generator=g)
+        noise.append(n)
+        steps.append(torch.randint(0, num_timesteps, (1,), generator=g))
+        drop.append(torch.rand((1,), generator=g) < cfg.caption_dropout)
+    return {"noise": torch.stack(noise), "timesteps": torch.cat(steps), "drop_caption": torch.cat(drop),
+            "perturb": torch.stack([torch.randn((c, h, w), generator=g) for g in gens])}
+
+
+def noisy_input(scheduler, latents: torch.Tensor, draws: dict, input_perturbation: float) -> torch.Tensor:
+    noise = draws["noise"]
+    if input_perturbation:  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target
+        noise = noise + input_perturbation * draws["perturb"]
+    return scheduler.add_noise(latents, noise, draws["timesteps"])
+
+
+def target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, prediction_type: str):
+    if prediction_type == "epsilon":
+        return noise
+    return scheduler.get_velocity(latents, noise, timesteps)
+
+
+def per_sample_loss(pred: torch.Tensor, tgt: torch.Tensor, scheduler, timesteps: torch.Tensor,
+                    prediction_type: str, snr_gamma: float | None) -> torch.Tensor:
+    """MSE per sample [B], optionally min-SNR-gamma weighted (Hang et al. 2023)."""
+    mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
+    if snr_gamma is None:
+        return mse
+    snr = compute_snr(scheduler, timesteps)
+    weight = torch.minimum(snr, torch.full_like(snr, snr_gamma))
+    weight = weight / snr if prediction_type == "epsilon" else weight / (snr + 1)
+    return mse * weight

@@ -1,0 +1,71 @@
+"""Training telemetry: per-step loss, learning rate, throughput, data-wait share and peak memory.
+
+Rank 0 appends one row per logged step to metrics.csv (which `dvc plots` and the report read), logs a plain line,
+and forwards the same numbers to accelerate's trackers when one is configured.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("sdpipe.train")
+COLUMNS = ["step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_gpu", "data_wait", "peak_memory_mb",
+           "samples_seen"]
+
+
+class Telemetry:
+    def __init__(self, run):
+        self.main = run.accelerator.is_main_process
+        self.every = run.cfg.train.log_every
+        self.world = run.accelerator.num_processes
+        self.device = run.accelerator.device
+        self.total = run.plan.total_optimizer_steps
+        self._reset()
+        self.file = None
+        if self.main:
+            path = run.out / "metrics.csv"
+            new = not path.exists() or run.step == 0
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w" if new else "a", newline="")
+            self.writer = csv.DictWriter(self.file, COLUMNS)
+            if new:
+                self.writer.writeheader()
+
+    def _reset(self) -> None:
+        self.window_start, self.samples, self.waiting, self.losses = time.perf_counter(), 0, 0.0, []
+
+    def data_time(self, seconds: float) -> None:
+        self.waiting += seconds
+
+    def peak_memory_mb(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+
+    def step(self, run, loss: float, samples: int) -> None:
+        self.samples += samples
+        self.losses.append(loss)
+        if run.step % self.every and run.step != self.total:
+            return
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        row = {"step": run.step, "epoch": run.state.epoch, "loss": round(sum(self.losses) / len(self.losses), 6),
+               "lr": run.lr_scheduler.get_last_lr()[0], "samples_per_s": round(self.samples / elapsed, 3),
+               "samples_per_s_per_gpu": round(self.samples / elapsed / self.world, 3),
+               "data_wait": round(min(self.waiting / elapsed, 1.0), 4), "peak_memory_mb": self.peak_memory_mb(),
+               "samples_seen": run.state.samples_seen_total}
+        if self.main:
+            self.writer.writerow(row)
+            self.file.flush()
+            log.info("step %d/%d loss %.4f lr %.2e %.1f samples/s (%.1f per GPU) data wait %.0f%%", run.step,
+                     self.total, row["loss"], row["lr"], row["samples_per_s"], row["samples_per_s_per_gpu"],
+                     100 * row["data_wait"])
+        run.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=run.step)
+        self._reset()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()

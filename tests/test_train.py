@@ -1,0 +1,141 @@
+"""Training through `sdpipe train` (the command the Snakemake rule runs, which starts `accelerate launch`):
+2 processes x batch b equal 1 process x batch 2b, resume is exact, world-size changes continue, bad input fails
+before launch."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from sdpipe import config, io
+from sdpipe.stages import caption, latents, prepare
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.slow
+TRAIN = {"mode": "full", "max_steps": 3, "per_device_batch_size": 4, "learning_rate": 0.001,
+         "lr_scheduler": "cosine", "lr_warmup_steps": 1, "checkpoint_every": 2, "log_every": 1, "caption_dropout": 0.2}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, demo_source, tiny_model) -> tuple[Path, dict]:
+    """The latent cache of 40 demo images, made by the real stages."""
+    tmp = tmp_path_factory.mktemp("train")
+    raw_cfg = small_config(tmp, demo_source, tiny_model)
+    cfg = config.from_dict(raw_cfg)
+    prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
+    caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
+    latents.run(cfg, {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
+                {"index": tmp / "index.json", "summary": tmp / "ls.json"})
+    return tmp / "index.json", raw_cfg
+
+
+def train(tmp: Path, cache, out: str, check: bool = True, **settings) -> subprocess.CompletedProcess:
+    index, raw_cfg = cache
+    cfg = {**raw_cfg, "train": {**TRAIN, **settings}}
+    cfg_path = tmp / f"{out}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "train", "--config", str(cfg_path), "--index", str(index),
+                           "--out", str(tmp / out), "--summary", str(tmp / out / "summary.json")],
+                          capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def unet_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(next((out / "final" / "unet").glob("*.safetensors"))))
+
+
+def metrics(out: Path) -> list[dict]:
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_same_weights(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=tol, atol=tol, msg=name)
+
+
+def test_two_processes_equal_one_with_twice_the_batch(tmp_path, cache):
+    train(tmp_path, cache, "two", num_processes=2, per_device_batch_size=2)
+    train(tmp_path, cache, "one", num_processes=1, per_device_batch_size=4)
+    two, one = io.read_json(tmp_path / "two" / "summary.json"), io.read_json(tmp_path / "one" / "summary.json")
+    assert (two["world_size"], one["world_size"]) == (2, 1)
+    for key in ("optimizer_steps", "global_batch_size", "lr_schedule_steps", "samples_seen", "epochs"):
+        assert two[key] == one[key], key
+    assert [r["lr"] for r in metrics(tmp_path / "two")] == [r["lr"] for r in metrics(tmp_path / "one")]
+    base = load_file(str(next((Path(cache[1]["model"]["pretrained"]) / "unet").glob("*.safetensors"))))
+    trained_one = unet_weights(tmp_path / "one")
+    assert any(not torch.equal(base[k], trained_one[k]) for k in base), "training changed nothing"
+    assert_same_weights(unet_weights(tmp_path / "two"), trained_one, 1e-5)
+    # Only rank 0 writes: one header and one row per step, no leftover temporary checkpoint folders.
+    assert [int(r["step"]) for r in metrics(tmp_path / "two")] == [1, 2, 3]
+    assert not list((tmp_path / "two" / "checkpoints").rglob(".tmp-*"))
+
+
+def _drop_after(out: Path, step: int) -> None:
+    """Leave what a run killed right after checkpoint `step` leaves behind."""
+    for ckpt in (out / "checkpoints").glob("*/checkpoint-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, cache):
+    train(tmp_path, cache, "straight", max_steps=4)
+    train(tmp_path, cache, "resumed", max_steps=4)
+    _drop_after(tmp_path / "resumed", 2)
+    proc = train(tmp_path, cache, "resumed", max_steps=4)
+    assert "resuming from" in proc.stderr
+    resumed, straight = (io.read_json(tmp_path / name / "summary.json") for name in ("resumed", "straight"))
+    assert resumed["optimizer_steps"] == straight["optimizer_steps"] == 4
+    assert resumed["samples_seen"] == straight["samples_seen"]
+    assert 0 < resumed["samples_this_run"] < straight["samples_this_run"], "the resumed run did only the rest"
+    assert_same_weights(unet_weights(tmp_path / "resumed"), unet_weights(tmp_path / "straight"), 1e-6)
+
+
+def test_resume_on_another_world_size_continues_the_sample_count(tmp_path, cache):
+    train(tmp_path, cache, "run", max_steps=4, num_processes=2, per_device_batch_size=2)
+    _drop_after(tmp_path / "run", 2)
+    train(tmp_path, cache, "run", max_steps=4, num_processes=1, per_device_batch_size=2)
+    summary = io.read_json(tmp_path / "run" / "summary.json")
+    assert summary["world_size"] == 1 and summary["optimizer_steps"] == 4
+    # Two steps of 2 ranks x 2 before the switch (8 samples), then two steps of up to 1 x 2 from what is left.
+    assert summary["samples_seen"] - summary["samples_this_run"] == 8 and 0 < summary["samples_this_run"] <= 4
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"per_device_batch_size": 64}, "train.per_device_batch_size"),
+    ({"mode": "lora", "lora": {"target_modules": ["no_such_layer"]}}, "train.lora.target_modules"),
+    ({"mode": "dreambooth"}, "train.mode = 'dreambooth' is not allowed"),
+    ({"max_steps": 0}, "train.max_steps = 0"),
+])
+def test_bad_settings_fail_before_launch(tmp_path, cache, settings, message):
+    proc = train(tmp_path, cache, "bad", check=False, **settings)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
+    train(tmp_path, cache, "full", max_steps=2)
+    ckpt = next((tmp_path / "full" / "checkpoints").glob("*/checkpoint-*"))
+    proc = train(tmp_path, cache, "lora", check=False, mode="lora", resume=str(ckpt))
+    assert proc.returncode == 2 and "trained from another model or mode" in proc.stderr
+
+
+def test_missing_latent_cache_is_one_line(tmp_path, cache):
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "train", "--index", str(tmp_path / "none.json"),
+                           "--out", str(tmp_path / "o"), "--summary", str(tmp_path / "o" / "s.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "run `snakemake latents` first" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,28 @@
+# Training: `accelerate launch` with one process per GPU the rule holds. Checkpoints under results/train/checkpoints
+# are not outputs, so they survive a rerun and `train.resume: latest` picks up after a crash.
+
+
+rule train:
+    input:
+        index=rules.latents.output.index,
+        model=model_files,
+    output:
+        summary="results/train/summary.json",
+        final=directory("results/train/final"),
+        metrics="results/train/metrics.csv",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/train.log",
+    benchmark:
+        "benchmarks/train.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        out=lambda wildcards, output: str(Path(output.summary).parent),
+        procs=train_processes(),
+        settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"]},
+    resources:
+        gpu=train_gpus(),
+    shell:
+        "sdpipe train --config {params.config} --set train.num_processes={params.procs} "
+        "--index {input.index} --out {params.out} --summary {output.summary} > {log} 2>&1"
