@@ -106,6 +106,12 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class EmaConfig:
+    enabled: bool
+    decay: float
+
+
+@dataclass(frozen=True)
 class MultiNodeConfig:
     num_machines: int
     machine_rank: int
@@ -140,6 +146,8 @@ class TrainConfig:
     keep_checkpoints: int
     resume: str | None
     log_every: int
+    tracker: str
+    ema: EmaConfig
     lora: LoraConfig
     multi_node: MultiNodeConfig
 

@@ -139,3 +139,28 @@ def test_missing_latent_cache_is_one_line(tmp_path, cache):
                            "--out", str(tmp_path / "o"), "--summary", str(tmp_path / "o" / "s.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "run `snakemake latents` first" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ema_and_tracker_outputs(tmp_path, cache):
+    train(tmp_path, cache, "ema", max_steps=2, ema={"enabled": True, "decay": 0.5}, tracker="dvclive")
+    out = tmp_path / "ema"
+    raw, averaged = unet_weights(out), load_file(str(next((out / "final" / "ema" / "unet").glob("*.safetensors"))))
+    assert raw.keys() == averaged.keys() and any(not torch.equal(raw[k], averaged[k]) for k in raw)
+    assert (out / "dvclive").is_dir() and list((out / "dvclive").rglob("loss*"))
+
+
+def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
+    """A corrupt cache entry (NaN latents) must stop training with one line, not train on garbage."""
+    index_path, raw_cfg = cache
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(Path(raw_cfg["cache_dir"]), poisoned)
+    for shard in (poisoned / "latents").glob("shard-*.safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(str(shard)).items()}, str(shard))
+    index = io.read_json(index_path)
+    index["latent_store"] = str(poisoned / "latents")
+    io.write_json(tmp_path / "index.json", index)
+    proc = train(tmp_path, (tmp_path / "index.json", raw_cfg), "nan", check=False, max_steps=3)
+    assert proc.returncode == 2 and "loss is nan at optimizer step 1" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "nan" / "final").exists()

@@ -1,5 +1,7 @@
 """Train the UNet (full or LoRA) on the latent cache with `accelerate launch`, one process per GPU.
 
+A single process (one GPU, or a CPU) runs the training module directly, without the launcher.
+
 Everything that can be wrong with the settings is checked here, before any process is launched: the step plan,
 a batch no bucket can fill, LoRA targets, a missing cache, a checkpoint of another model.
 """
@@ -40,12 +42,20 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
                                  t.lr_warmup_steps)
     if t.mode == "lora":
         _check_lora_targets(cfg)
+    _check_tracker(t.tracker)
     ident = model_id(cfg, data)
     path = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
     if path is not None:
         checkpoint.check_compatible(checkpoint.read_state(path), ident, path)
         log.info("resuming from %s", path)
     log.info("\n%s", accounting.summary_block(plan))
+
+
+def _check_tracker(name: str) -> None:
+    import importlib.util
+
+    if name != "none" and importlib.util.find_spec(name) is None:
+        raise UserError(f"train.tracker = {name!r} needs the {name} package: pip install {name}")
 
 
 def _check_lora_targets(cfg) -> None:
@@ -64,6 +74,12 @@ def _check_lora_targets(cfg) -> None:
 
 def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
     mn = cfg.train.multi_node
+    loop = ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
+            "--summary", str(summary)]
+    if world == 1 and mn.num_machines == 1:
+        # One process needs no launcher (the Accelerator sets itself up), and a launcher would wrap the loop's
+        # one-line errors in its own traceback.
+        return [sys.executable, *loop]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
            "--num_machines", str(mn.num_machines), "--machine_rank", str(mn.machine_rank),
            "--main_process_port", str(mn.main_process_port), "--dynamo_backend", "no",
@@ -76,8 +92,7 @@ def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, s
     if gpus:
         local = world // mn.num_machines
         cmd += ["--gpu_ids", ",".join(str(i) for i in range(min(local, gpus)))]
-    return cmd + ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
-                  "--summary", str(summary)]
+    return cmd + loop
 
 
 def _visible_gpus() -> int:

@@ -11,16 +11,18 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from sdpipe import config, io
 from sdpipe.errors import UserError
+from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
-from sdpipe.train.models import MIXED, build_lr_scheduler, build_optimizer, build_unet, save_final, trainable
+from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_unet, save_final,
+                                 trainable)
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry
 
@@ -47,7 +49,8 @@ class Run:
     step: int = 0
     telemetry: Telemetry = None
     ckpt_dir: Path = None
-    extra: dict = field(default_factory=dict)
+    ema: object = None
+    advance_bar: object = None
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
@@ -78,8 +81,9 @@ def build(cfg, index: Path, out: Path) -> Run:
 
     # cpu=True on a CPU-only machine: without it accelerate treats each process launched with --multi_gpu as a
     # lone single process instead of one gloo rank of several.
+    tracker = None if cfg.train.tracker == "none" else cfg.train.tracker
     accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
-                              cpu=not torch.cuda.is_available())
+                              cpu=not torch.cuda.is_available(), log_with=tracker)
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
     data = LatentData(index)
     t, world = cfg.train, accelerator.num_processes
@@ -92,11 +96,26 @@ def build(cfg, index: Path, out: Path) -> Run:
     lr_scheduler = build_lr_scheduler(cfg, optimizer, plan.lr_schedule_steps)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)
+    ema = build_ema(cfg, unet, accelerator)
+    if tracker:
+        kwargs = {"dvclive": {"dir": str(out / "dvclive"), "save_dvc_exp": False}}  # inside results, no git exp
+        accelerator.init_trackers("sdpipe", config=_flat(cfg.raw["train"]), init_kwargs=kwargs)
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
     return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
-               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data))
+               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Trackers take flat scalar hyperparameters."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def _bucket_sizes(buckets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -168,6 +187,8 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        run.ema.step(trainable(run.unet))
     run.step += 1
     totals = acc.reduce(torch.tensor([loss_sum, samples], device=acc.device, dtype=torch.float64), "sum")
     mean = float(totals[0] / totals[1])
@@ -202,6 +223,7 @@ def train_epoch(run: Run) -> bool:
             run.state = run.sampler.advance(run.state, chunk)
         mean = optimizer_step(run, loss_sum, samples)
         run.telemetry.step(run, mean, sum(len(c) for c in group))
+        run.advance_bar(1)
         if run.step % run.cfg.train.checkpoint_every == 0 or run.step >= run.plan.total_optimizer_steps:
             save_checkpoint(run)
         if run.step >= run.plan.total_optimizer_steps:
@@ -251,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         run.telemetry = Telemetry(run)
         log.info("\n%s", accounting.summary_block(run.plan))
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
-        while run.step < run.plan.total_optimizer_steps and not train_epoch(run):
-            pass
-        save_final(run.accelerator, run.unet, run.cfg.train.mode, run.out / "final")
+        todo = run.plan.total_optimizer_steps - run.step
+        with progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar:
+            while run.step < run.plan.total_optimizer_steps and not train_epoch(run):
+                pass
+        save_final(run.accelerator, run.unet, run.cfg.train.mode, run.out / "final", run.ema)
         write_summary(run, Path(args.summary), time.perf_counter() - start,
                       run.state.samples_seen_total - seen_before)
         run.telemetry.close()

@@ -51,22 +51,47 @@ def build_lr_scheduler(cfg, optimizer, total_steps: int):
                          num_training_steps=total_steps)
 
 
+def build_ema(cfg, unet, accelerator):
+    """An EMA of the trained parameters (on their device), checkpointed with the rest; None when disabled."""
+    if not cfg.train.ema.enabled:
+        return None
+    from diffusers.training_utils import EMAModel
+
+    ema = EMAModel(trainable(unet), decay=cfg.train.ema.decay)
+    ema.to(accelerator.device)
+    accelerator.register_for_checkpointing(ema)
+    return ema
+
+
 def trainable(unet) -> list[torch.nn.Parameter]:
     return [p for p in unet.parameters() if p.requires_grad]
 
 
-def save_final(accelerator, unet, mode: str, out) -> None:
-    """Rank 0 writes the trained weights: the UNet in diffusers format, or the LoRA in diffusers/peft format."""
+def _save_weights(model, mode: str, folder) -> None:
+    if mode == "lora":
+        from diffusers import StableDiffusionPipeline
+        from peft.utils import get_peft_model_state_dict
+
+        StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(model))
+    else:
+        model.save_pretrained(str(folder / "unet"))
+
+
+def save_final(accelerator, unet, mode: str, out, ema=None) -> None:
+    """Rank 0 writes the trained weights: the UNet in diffusers format, or the LoRA in diffusers/peft format;
+    with EMA, the averaged weights too, in the same layout under ema/."""
     from sdpipe import io
 
+    accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
     model = accelerator.unwrap_model(unet)
     with io.atomic_dir(out) as tmp:
-        if mode == "lora":
-            from diffusers import StableDiffusionPipeline
-            from peft.utils import get_peft_model_state_dict
-
-            StableDiffusionPipeline.save_lora_weights(str(tmp), unet_lora_layers=get_peft_model_state_dict(model))
-        else:
-            model.save_pretrained(str(tmp / "unet"))
+        _save_weights(model, mode, tmp)
+        if ema is not None:
+            params = trainable(model)
+            ema.store(params)
+            ema.copy_to(params)
+            (tmp / "ema").mkdir()
+            _save_weights(model, mode, tmp / "ema")
+            ema.restore(params)
