@@ -106,6 +106,16 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class ValidationConfig:
+    every: int
+    prompts: list[str]
+    seeds: list[int]
+    steps: int
+    guidance: float
+    resolution: list[int] | None
+
+
+@dataclass(frozen=True)
 class EmaConfig:
     enabled: bool
     decay: float
@@ -147,6 +157,7 @@ class TrainConfig:
     resume: str | None
     log_every: int
     tracker: str
+    validation: ValidationConfig
     ema: EmaConfig
     lora: LoraConfig
     multi_node: MultiNodeConfig

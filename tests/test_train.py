@@ -141,9 +141,15 @@ def test_missing_latent_cache_is_one_line(tmp_path, cache):
     assert proc.returncode == 2 and "run `snakemake latents` first" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_ema_and_tracker_outputs(tmp_path, cache):
-    train(tmp_path, cache, "ema", max_steps=2, ema={"enabled": True, "decay": 0.5}, tracker="dvclive")
+def test_ema_tracker_and_validation_outputs(tmp_path, cache):
+    train(tmp_path, cache, "ema", max_steps=2, ema={"enabled": True, "decay": 0.5}, tracker="dvclive",
+          validation={"every": 1, "prompts": ["a red circle", "a blue star"], "seeds": [0, 1, 2], "steps": 1})
     out = tmp_path / "ema"
+    from PIL import Image
+
+    grids = sorted((out / "samples").glob("step-*.png"))
+    assert [g.name for g in grids] == ["step-00000001.png", "step-00000002.png"]
+    assert Image.open(grids[-1]).size == (3 * 32, 2 * 32)  # columns = seeds, rows = prompts
     raw, averaged = unet_weights(out), load_file(str(next((out / "final" / "ema" / "unet").glob("*.safetensors"))))
     assert raw.keys() == averaged.keys() and any(not torch.equal(raw[k], averaged[k]) for k in raw)
     assert (out / "dvclive").is_dir() and list((out / "dvclive").rglob("loss*"))

@@ -53,6 +53,24 @@ def test_grid_is_deterministic_and_follows_the_weights(accelerator, tiny_model, 
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-0000000{i}.png" for i in (1, 2, 3)]
 
 
+def test_vae_and_text_encoder_are_freed(accelerator, tiny_model, tmp_path, monkeypatch):
+    import weakref
+
+    from diffusers.utils import logging as dlog
+
+    refs, load = [], validation._load_pipeline
+
+    def spy(*args):
+        pipe = load(*args)
+        refs.extend(weakref.ref(m) for m in (pipe.vae, pipe.text_encoder))
+        return pipe
+
+    monkeypatch.setattr(validation, "_load_pipeline", spy)
+    _render(accelerator, _unet(tiny_model), tiny_model, tmp_path)
+    assert len(refs) == 2 and all(r() is None for r in refs)
+    assert dlog.is_progress_bar_enabled()  # silenced only while loading
+
+
 def test_lora_adapters_show_in_the_grid(accelerator, tiny_model, tmp_path):
     from peft import LoraConfig
 

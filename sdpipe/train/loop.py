@@ -54,7 +54,8 @@ class Run:
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
-OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node")
+OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node",
+               "tracker", "validation")
 
 
 def model_id(cfg, data: LatentData) -> dict:
@@ -199,6 +200,21 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
     return mean
 
 
+def maybe_validate(run: Run) -> None:
+    """Every rank renders its share of the fixed prompts x seeds grid (validation.every steps and at the end)."""
+    v = run.cfg.train.validation
+    last = run.step >= run.plan.total_optimizer_steps
+    if not v.every or not v.prompts or (run.step % v.every and not last):
+        return
+    from sdpipe.train.validation import render
+
+    size = v.resolution or [run.cfg.prepare.buckets.resolution] * 2
+    path = render(run.accelerator, run.unet, run.cfg, run.step, run.out / "samples", v.prompts, v.seeds, v.steps,
+                  v.guidance, tuple(size))
+    if path is not None:
+        log.info("samples at step %d: %s", run.step, path)
+
+
 def save_checkpoint(run: Run) -> None:
     state = {"step": run.step, "sampler": run.state.to_dict(), "model_id": run.model_id,
              "plan": run.plan.as_dict()}
@@ -224,6 +240,7 @@ def train_epoch(run: Run) -> bool:
         mean = optimizer_step(run, loss_sum, samples)
         run.telemetry.step(run, mean, sum(len(c) for c in group))
         run.advance_bar(1)
+        maybe_validate(run)
         if run.step % run.cfg.train.checkpoint_every == 0 or run.step >= run.plan.total_optimizer_steps:
             save_checkpoint(run)
         if run.step >= run.plan.total_optimizer_steps:

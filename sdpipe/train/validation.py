@@ -1,5 +1,4 @@
-"""Validation grids during training: fixed prompts x seeds rendered with the UNet being trained. Every rank calls
-render() (it gathers); the VAE and text encoder live only inside a call, so training never holds them."""
+"""Validation grids during training: fixed prompts x seeds rendered with the very UNet being trained."""
 
 from __future__ import annotations
 
@@ -9,7 +8,9 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
+from diffusers.utils import logging as dlog
 from PIL import Image
+from transformers.utils import logging as tlog
 
 from sdpipe import io
 from sdpipe.models import loading
@@ -18,9 +19,6 @@ from sdpipe.models import loading
 @contextlib.contextmanager
 def _no_load_bars():
     """Silence diffusers' and transformers' loading bars (they would print at every validation), then restore."""
-    from diffusers.utils import logging as dlog
-    from transformers.utils import logging as tlog
-
     libs = [lib for lib in (dlog, tlog) if lib.is_progress_bar_enabled()]
     for lib in libs:
         lib.disable_progress_bar()
@@ -36,22 +34,20 @@ def _load_pipeline(cfg, unet, device: torch.device):
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     root = loading.model_index(cfg.model.pretrained, cfg.model.revision)[0]
-    if loading.pipeline_family(cfg.model.pretrained, cfg.model.revision) == "sdxl":
-        # No watermark: it would alter the pixels we compare across steps (and needs an optional package).
-        cls, extra = StableDiffusionXLPipeline, {"add_watermarker": False}
-    else:
-        cls, extra = StableDiffusionPipeline, {"safety_checker": None, "requires_safety_checker": False}
+    xl = loading.pipeline_family(cfg.model.pretrained, cfg.model.revision) == "sdxl"
+    # SDXL without its watermark: it would alter the pixels compared across steps (and needs an optional package).
+    extra = {"add_watermarker": False} if xl else {"safety_checker": None, "requires_safety_checker": False}
     with _no_load_bars():
-        pipe = cls.from_pretrained(root, unet=unet, dtype=torch.float32, variant=cfg.model.variant,
-                                   local_files_only=True, **extra)
+        pipe = (StableDiffusionXLPipeline if xl else StableDiffusionPipeline).from_pretrained(
+            root, unet=unet, dtype=torch.float32, variant=cfg.model.variant, local_files_only=True, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
 
-def _generate(pipe, pairs: list[tuple[int, str, int]], steps: int, guidance: float,
-              resolution: tuple[int, int]) -> list[tuple[int, object]]:
-    # One call per image, with a CPU generator: an image depends only on (prompt, seed), not on the batch it
-    # shared, the world size or the device.
+def _generate(cfg, unet, device, pairs: list[tuple[int, str, int]], steps: int, guidance: float,
+              resolution: tuple[int, int]) -> list[tuple[int, Image.Image]]:
+    pipe = _load_pipeline(cfg, unet, device)  # only referenced here: the VAE and text encoders go when we return
+    # One call per image, CPU generators: an image depends on (prompt, seed) only, not on batch, world or device.
     height, width = resolution
     return [(index, pipe(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
                          generator=torch.Generator(device="cpu").manual_seed(seed)).images[0])
@@ -68,7 +64,8 @@ def _grid(images: list, rows: int, cols: int) -> Image.Image:
 
 def render(accelerator, unet, cfg, step: int, out_dir: Path, prompts: list[str], seeds: list[int],
            num_inference_steps: int, guidance_scale: float, resolution: tuple[int, int]) -> Path | None:
-    """Render prompts (rows) x seeds (columns) at resolution (height, width); return the grid's path on rank 0."""
+    """Render prompts (rows) x seeds (columns) at (height, width); the grid's path on rank 0, None elsewhere.
+    Every rank must call it (it gathers). The VAE and text encoder exist only during the call."""
     model = accelerator.unwrap_model(unet)
     was_training, images = model.training, []
     pairs = [(p * len(seeds) + s, prompt, seed) for p, prompt in enumerate(prompts) for s, seed in enumerate(seeds)]
@@ -77,14 +74,12 @@ def render(accelerator, unet, cfg, step: int, out_dir: Path, prompts: list[str],
         model.eval()  # no LoRA dropout while sampling
         with torch.no_grad():
             if mine:
-                pipe = _load_pipeline(cfg, model, accelerator.device)
-                images = _generate(pipe, mine, num_inference_steps, guidance_scale, resolution)
-                del pipe  # frees the VAE and text encoder; the UNet stays referenced by the caller
+                images = _generate(cfg, model, accelerator.device, mine, num_inference_steps, guidance_scale,
+                                   resolution)
     finally:
         model.train(was_training)
         gc.collect()
-        if accelerator.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
     images = gather_object(images)  # every rank joins, even one with nothing to render
     if not accelerator.is_main_process:
         return None
