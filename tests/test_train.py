@@ -170,3 +170,23 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
     proc = train(tmp_path, (tmp_path / "index.json", raw_cfg), "nan", check=False, max_steps=3)
     assert proc.returncode == 2 and "loss is nan at optimizer step 1" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "nan" / "final").exists()
+
+
+def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_source):
+    """The SDXL path: two text encoders (hidden 64+96), pooled embeddings and per-image size/crop time ids."""
+    from sdpipe.models import presets
+
+    model = presets.build_and_save("tiny-sdxl", tmp_path / "sdxl")
+    raw_cfg = small_config(tmp_path, demo_source, model)
+    cfg = config.from_dict(raw_cfg)
+    prepare.run(cfg, {}, {"manifest": tmp_path / "m.jsonl", "rejected": tmp_path / "r.jsonl",
+                          "summary": tmp_path / "p.json"})
+    caption.run(cfg, {"manifest": tmp_path / "m.jsonl"}, {"captions": tmp_path / "c.jsonl",
+                                                          "summary": tmp_path / "cs.json"})
+    latents.run(cfg, {"manifest": tmp_path / "m.jsonl", "captions": tmp_path / "c.jsonl"},
+                {"index": tmp_path / "index.json", "summary": tmp_path / "ls.json"})
+    index = io.read_json(tmp_path / "index.json")
+    assert index["model"]["family"] == "sdxl" and all(len(it["crop_top_left"]) == 2 for it in index["items"])
+    train(tmp_path, (tmp_path / "index.json", raw_cfg), "sdxl", mode="lora", max_steps=2)
+    summary = io.read_json(tmp_path / "sdxl" / "summary.json")
+    assert summary["optimizer_steps"] == 2 and (tmp_path / "sdxl" / "final" / "pytorch_lora_weights.safetensors").is_file()

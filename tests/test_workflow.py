@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from sdpipe import demo
 from tests.workflow_helpers import REPO, make_project, run
@@ -92,3 +93,32 @@ def test_profiles_parse(tmp_path, demo_source):
     assert "latents" in runpod.stdout
     slurm = run(["snakemake", "--profile", "profiles/slurm", "-n"], proj)
     assert "latents" in slurm.stdout
+
+
+def test_changing_only_training_settings_reruns_only_training(project):
+    cfg_path = project / "config" / "config.yaml"
+    original = cfg_path.read_text()
+    try:
+        cfg = yaml.safe_load(original)
+        cfg["caption"]["batch_size"] = cfg["caption"]["batch_size"] + 1  # a caption setting: caption reruns
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        assert "caption" in _planned(project)
+        cfg = yaml.safe_load(original)
+        cfg["train"]["learning_rate"] = cfg["train"]["learning_rate"] / 2
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        assert _planned(project) == {"train", "all"}  # not prepare, caption or latents (train never ran here)
+    finally:
+        cfg_path.write_text(original)
+
+
+def _planned(project) -> set[str]:
+    """Rules a dry run of the whole DAG would execute, read from its "Job stats" table."""
+    proc = run(["snakemake", "--cores", "2", "-n", "--quiet", "rules"], project)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    start = lines.index("Job stats:") + 3  # skip the header and the dashes
+    rows = []
+    for line in lines[start:]:
+        if line.split()[0] == "total":
+            break
+        rows.append(line.split()[0])
+    return set(rows)
