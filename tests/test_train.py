@@ -102,6 +102,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, cache):
     assert resumed["samples_seen"] == straight["samples_seen"]
     assert 0 < resumed["samples_this_run"] < straight["samples_this_run"], "the resumed run did only the rest"
     assert_same_weights(unet_weights(tmp_path / "resumed"), unet_weights(tmp_path / "straight"), 1e-6)
+    # metrics.csv comes back from the checkpoint: no step is logged twice, none is missing.
+    assert [int(r["step"]) for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    assert [r["loss"] for r in metrics(tmp_path / "resumed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
 
 
 def test_resume_on_another_world_size_continues_the_sample_count(tmp_path, cache):
@@ -190,3 +193,14 @@ def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_s
     train(tmp_path, (tmp_path / "index.json", raw_cfg), "sdxl", mode="lora", max_steps=2)
     summary = io.read_json(tmp_path / "sdxl" / "summary.json")
     assert summary["optimizer_steps"] == 2 and (tmp_path / "sdxl" / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_lora_output_reloads_with_its_alpha(tmp_path, cache):
+    """diffusers' load_lora_weights must see lora_alpha, or the adapter is applied at the wrong scale."""
+    from diffusers import StableDiffusionPipeline
+
+    train(tmp_path, cache, "lora", mode="lora", max_steps=1, lora={"rank": 4, "alpha": 16})
+    pipe = StableDiffusionPipeline.from_pretrained(cache[1]["model"]["pretrained"], safety_checker=None)
+    pipe.load_lora_weights(str(tmp_path / "lora" / "final"))
+    (adapter,) = pipe.unet.peft_config.values()
+    assert (adapter.r, adapter.lora_alpha) == (4, 16)

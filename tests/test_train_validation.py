@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,8 +21,10 @@ def accelerator():
     return Accelerator(cpu=True)
 
 
-def _cfg(model) -> SimpleNamespace:
-    return SimpleNamespace(model=SimpleNamespace(pretrained=str(model), revision=None, variant=None))
+def _cfg(model):
+    from sdpipe import config
+
+    return config.from_dict({"model": {"pretrained": str(model)}})
 
 
 def _unet(model):

@@ -21,7 +21,7 @@ from sdpipe.stages import read_upstream
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
-INDEX_VERSION = 2  # the layout of results/latents/index.json that training reads
+INDEX_VERSION = 3  # the layout of results/latents/index.json that training reads
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
@@ -91,8 +91,10 @@ def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
                                  model["variant"], lat.dtype)
             item["flip_key" if flip else "latent_key"] = key
             if not flip:
-                _, top, left = crop_box(row["width"], row["height"], p, row["id"])
+                (resized_w, _), top, left = crop_box(row["width"], row["height"], p, row["id"])
                 item["crop_top_left"] = [top, left]
+                # A flipped latent was cut at the mirrored position: SDXL conditions on that corner.
+                item["flip_crop_top_left"] = [top, resized_w - left - row["bucket"][0]]
             images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"], "pre": p.as_key()}
         items.append(item)
     return items, list(images.values()), list(texts.values()), failed

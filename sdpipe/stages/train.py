@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.train.models import MIXED
 
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
@@ -43,12 +44,29 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
     if t.mode == "lora":
         _check_lora_targets(cfg)
     _check_tracker(t.tracker)
+    _check_topology(cfg, world)
     ident = model_id(cfg, data)
     path = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
     if path is not None:
         checkpoint.check_compatible(checkpoint.read_state(path), ident, path)
         log.info("resuming from %s", path)
-    log.info("\n%s", accounting.summary_block(plan))
+    log.info("preflight ok: %d optimizer steps, global batch %d", plan.total_optimizer_steps, plan.global_batch_size)
+
+
+def _check_topology(cfg, world: int) -> None:
+    """Process counts that accelerate would only reject (or hang on) after launch."""
+    from sdpipe.parallel import detect_gpu_count
+
+    mn, gpus = cfg.train.multi_node, detect_gpu_count()
+    if mn.machine_rank >= mn.num_machines:
+        raise UserError(f"train.multi_node.machine_rank = {mn.machine_rank} must be below num_machines = "
+                        f"{mn.num_machines}")
+    if world % mn.num_machines:
+        raise UserError(f"train.num_processes = {world} must be a multiple of train.multi_node.num_machines = "
+                        f"{mn.num_machines} (it counts the processes of every machine)")
+    if gpus and world // mn.num_machines > gpus:
+        raise UserError(f"train.num_processes = {world} needs {world // mn.num_machines} GPUs per machine but "
+                        f"{gpus} are visible")
 
 
 def _check_tracker(name: str) -> None:
@@ -83,22 +101,27 @@ def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, s
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
            "--num_machines", str(mn.num_machines), "--machine_rank", str(mn.machine_rank),
            "--main_process_port", str(mn.main_process_port), "--dynamo_backend", "no",
-           "--mixed_precision", {"fp32": "no"}.get(cfg.train.mixed_precision, cfg.train.mixed_precision)]
+           "--mixed_precision", MIXED[cfg.train.mixed_precision]]
     if mn.main_process_ip:
         cmd += ["--main_process_ip", mn.main_process_ip]
     if world > 1 or mn.num_machines > 1:
         cmd.append("--multi_gpu")  # on a CPU-only machine this starts gloo processes
-    gpus = _visible_gpus()
-    if gpus:
-        local = world // mn.num_machines
-        cmd += ["--gpu_ids", ",".join(str(i) for i in range(min(local, gpus)))]
+    ids = _gpu_ids(world // mn.num_machines)
+    if ids:
+        cmd += ["--gpu_ids", ids]
     return cmd + loop
 
 
-def _visible_gpus() -> int:
+def _gpu_ids(local: int) -> str | None:
+    """The first `local` GPUs this job may use. accelerate turns --gpu_ids into CUDA_VISIBLE_DEVICES, so keep the
+    entries a scheduler already set there rather than renumbering from 0."""
     from sdpipe.parallel import detect_gpu_count
 
-    return detect_gpu_count()
+    if not detect_gpu_count():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(local)]
+    return ",".join(ids[:local])
 
 
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:

@@ -50,7 +50,13 @@ def check_compatible(state: dict, model_id: dict, path: Path) -> None:
                         f"{model_id}. Set train.resume: null to start fresh, or delete the old checkpoints")
 
 
-def save(accelerator, root: Path, step: int, state: dict, keep: int) -> Path:
+def restore_metrics(path: Path, metrics: Path, is_main: bool) -> None:
+    """Put back metrics.csv as it was at the checkpoint, so rows after it are not duplicated on resume."""
+    if is_main and (path / "metrics.csv").is_file():
+        shutil.copyfile(path / "metrics.csv", metrics)
+
+
+def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Path | None = None) -> Path:
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}"
     if accelerator.is_main_process:
@@ -60,6 +66,8 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int) -> Path:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if metrics is not None and metrics.is_file():
+            shutil.copyfile(metrics, tmp / "metrics.csv")
         io.write_json(tmp / STATE_FILE, state)  # written last: its presence marks the folder complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

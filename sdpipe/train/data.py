@@ -63,6 +63,8 @@ class LatentData:
                  for it, drop in zip(items, drop_caption)]
         for field in self.empty:
             out[field] = torch.stack([t[field] for t in texts]).float()
-        out["time_ids"] = torch.tensor([[*it["original_size"], *it["crop_top_left"], it["bucket"][1], it["bucket"][0]]
-                                        for it in items], dtype=torch.float32)  # SDXL: size, crop, target (h, w)
+        crops = [it["flip_crop_top_left"] if flip and it["flip_key"] else it["crop_top_left"]
+                 for it, flip in zip(items, flips)]
+        out["time_ids"] = torch.tensor([[*it["original_size"], *crop, it["bucket"][1], it["bucket"][0]]
+                                        for it, crop in zip(items, crops)], dtype=torch.float32)  # SDXL (h, w) order
         return out

@@ -7,6 +7,7 @@ files, and every rank joins the collective saves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import sys
@@ -61,7 +62,9 @@ OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep
 def model_id(cfg, data: LatentData) -> dict:
     """What a checkpoint must match to be resumed: the base model's weights and what is being trained."""
     return {"vae_sha256": data.index["model"]["vae_sha256"], "pretrained": cfg.model.pretrained,
-            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if cfg.train.mode == "lora" else None}
+            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if cfg.train.mode == "lora" else None,
+            # These change what a checkpoint holds (an EMA copy; a GradScaler), so accelerate cannot load across them.
+            "ema": cfg.train.ema.enabled, "fp16": cfg.train.mixed_precision == "fp16"}
 
 
 def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
@@ -89,7 +92,7 @@ def build(cfg, index: Path, out: Path) -> Run:
     data = LatentData(index)
     t, world = cfg.train, accelerator.num_processes
     buckets = data.sample_buckets()
-    plan = accounting.plan_steps(_bucket_sizes(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
+    plan = accounting.plan_steps(accounting.count_buckets(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
                                  t.max_steps, t.epochs, t.lr_warmup_steps)
     unet = build_unet(cfg, accelerator.device)
     noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)
@@ -119,13 +122,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _bucket_sizes(buckets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
-    sizes: dict[tuple[int, int], int] = {}
-    for b in buckets:
-        sizes[b] = sizes.get(b, 0) + 1
-    return sizes
-
-
 def resume(run: Run) -> None:
     path = checkpoint.find_resume(run.ckpt_dir, run.cfg.train.resume)
     if path is None:
@@ -135,6 +131,9 @@ def resume(run: Run) -> None:
     saved = checkpoint.read_state(path)
     checkpoint.check_compatible(saved, run.model_id, path)
     run.accelerator.load_state(str(path))
+    if run.ema is not None:
+        run.ema.to(run.accelerator.device)  # accelerate loads registered objects onto the CPU
+    checkpoint.restore_metrics(path, run.out / "metrics.csv", run.accelerator.is_main_process)
     run.step = saved["step"]
     run.state = run.sampler.resume(SamplerState.from_dict(saved["sampler"]))
     if run.accelerator.is_main_process:
@@ -142,11 +141,11 @@ def resume(run: Run) -> None:
                  run.state.samples_seen_total)
 
 
-def micro_step(run: Run, indices: list[int], global_count: int, accum: int, epoch: int) -> float:
+def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> float:
     """Forward and backward for this rank's share of one global batch; return the sum of its sample losses.
 
-    The loss is scaled so that DDP's average over ranks, summed over the accumulation, is the mean over every
-    sample of the optimizer step: a rank's share may be smaller (or empty) at a bucket's tail.
+    The loss is scaled so that DDP's average over ranks, summed over the accumulated micro-steps, is the mean over
+    all `step_samples` samples of the optimizer step: shares may be smaller (or empty) at a bucket's tail.
     """
     cfg, acc, t = run.cfg, run.accelerator, run.cfg.train
     weight = 1.0
@@ -170,7 +169,7 @@ def micro_step(run: Run, indices: list[int], global_count: int, accum: int, epoc
                            run.prediction_type)
     losses = objective.per_sample_loss(pred, tgt, run.noise_scheduler, draws["timesteps"], run.prediction_type,
                                        t.snr_gamma)
-    acc.backward(losses.sum() * weight * acc.num_processes / (global_count * accum))
+    acc.backward(losses.sum() * weight * acc.num_processes / step_samples)
     return float(losses.detach().sum()) * weight
 
 
@@ -186,10 +185,11 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
     if t.max_grad_norm is not None:
         acc.clip_grad_norm_(trainable(run.unet), t.max_grad_norm)
     run.optimizer.step()
-    run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.ema is not None:
-        run.ema.step(trainable(run.unet))
+    if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps that overflowed: no LR or EMA step
+        run.lr_scheduler.step()
+        if run.ema is not None:
+            run.ema.step(trainable(run.unet))
     run.step += 1
     totals = acc.reduce(torch.tensor([loss_sum, samples], device=acc.device, dtype=torch.float64), "sum")
     mean = float(totals[0] / totals[1])
@@ -203,7 +203,7 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
 def maybe_validate(run: Run) -> None:
     """Every rank renders its share of the fixed prompts x seeds grid (validation.every steps and at the end)."""
     v = run.cfg.train.validation
-    last = run.step >= run.plan.total_optimizer_steps
+    last = finished(run)
     if not v.every or not v.prompts or (run.step % v.every and not last):
         return
     from sdpipe.train.validation import render
@@ -218,7 +218,8 @@ def maybe_validate(run: Run) -> None:
 def save_checkpoint(run: Run) -> None:
     state = {"step": run.step, "sampler": run.state.to_dict(), "model_id": run.model_id,
              "plan": run.plan.as_dict()}
-    checkpoint.save(run.accelerator, run.ckpt_dir, run.step, state, run.cfg.train.keep_checkpoints)
+    checkpoint.save(run.accelerator, run.ckpt_dir, run.step, state, run.cfg.train.keep_checkpoints,
+                    run.out / "metrics.csv")
 
 
 def train_epoch(run: Run) -> bool:
@@ -228,32 +229,30 @@ def train_epoch(run: Run) -> bool:
     remaining = run.sampler.remaining(run.state)
     for start in range(0, len(remaining), k):
         group = remaining[start:start + k]
-        loss_sum, samples = 0.0, 0
+        loss_sum, samples, step_samples = 0.0, 0, sum(len(c) for c in group)
         for j, chunk in enumerate(group):
             mine = rank_slice(chunk, acc.process_index, acc.num_processes)
-            sync = j == len(group) - 1
-            ctx = acc.no_sync(run.unet) if not sync and acc.num_processes > 1 else _nullcontext()
-            with ctx:
-                loss_sum += micro_step(run, mine, len(chunk), len(group), epoch)
+            # Gradients are all-reduced only on the last micro-step of the optimizer step.
+            with acc.no_sync(run.unet) if j < len(group) - 1 else contextlib.nullcontext():
+                loss_sum += micro_step(run, mine, step_samples, epoch)
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
         mean = optimizer_step(run, loss_sum, samples)
         run.telemetry.step(run, mean, sum(len(c) for c in group))
         run.advance_bar(1)
         maybe_validate(run)
-        if run.step % run.cfg.train.checkpoint_every == 0 or run.step >= run.plan.total_optimizer_steps:
+        if run.step % run.cfg.train.checkpoint_every == 0 or finished(run):
             save_checkpoint(run)
-        if run.step >= run.plan.total_optimizer_steps:
+        if finished(run):
             return True
     return False
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def finished(run: Run) -> bool:
+    """The step budget is spent or, when training for epochs, the last epoch is done (after a resume on another
+    world size the re-planned epoch can take a different number of steps than the plan said)."""
+    t = run.cfg.train
+    return run.step >= run.plan.total_optimizer_steps or (t.max_steps is None and run.state.epoch >= t.epochs)
 
 
 def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -> None:
@@ -292,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
         todo = run.plan.total_optimizer_steps - run.step
         with progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar:
-            while run.step < run.plan.total_optimizer_steps and not train_epoch(run):
+            while not finished(run) and not train_epoch(run):
                 pass
         save_final(run.accelerator, run.unet, run.cfg.train.mode, run.out / "final", run.ema)
         write_summary(run, Path(args.summary), time.perf_counter() - start,

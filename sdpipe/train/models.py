@@ -72,7 +72,9 @@ def _save_weights(model, mode: str, folder) -> None:
         from diffusers import StableDiffusionPipeline
         from peft.utils import get_peft_model_state_dict
 
-        StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(model))
+        # The adapter metadata carries lora_alpha: without it diffusers reloads with alpha = rank (wrong scale).
+        StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(model),
+                                                  unet_lora_adapter_metadata=model.peft_config["default"].to_dict())
     else:
         model.save_pretrained(str(folder / "unet"))
 

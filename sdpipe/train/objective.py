@@ -30,8 +30,10 @@ def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps
         noise.append(n)
         steps.append(torch.randint(0, num_timesteps, (1,), generator=g))
         drop.append(torch.rand((1,), generator=g) < cfg.caption_dropout)
-    return {"noise": torch.stack(noise), "timesteps": torch.cat(steps), "drop_caption": torch.cat(drop),
-            "perturb": torch.stack([torch.randn((c, h, w), generator=g) for g in gens])}
+    out = {"noise": torch.stack(noise), "timesteps": torch.cat(steps), "drop_caption": torch.cat(drop)}
+    if cfg.input_perturbation:
+        out["perturb"] = torch.stack([torch.randn((c, h, w), generator=g) for g in gens])
+    return out
 
 
 def noisy_input(scheduler, latents: torch.Tensor, draws: dict, input_perturbation: float) -> torch.Tensor:

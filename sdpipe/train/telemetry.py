@@ -28,7 +28,7 @@ class Telemetry:
         self.file = None
         if self.main:
             path = run.out / "metrics.csv"
-            new = not path.exists() or run.step == 0
+            new = not path.exists() or run.step == 0  # on resume, the checkpoint's copy was restored: append
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "w" if new else "a", newline="")
             self.writer = csv.DictWriter(self.file, COLUMNS)

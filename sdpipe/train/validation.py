@@ -41,6 +41,8 @@ def _load_pipeline(cfg, unet, device: torch.device):
         pipe = (StableDiffusionXLPipeline if xl else StableDiffusionPipeline).from_pretrained(
             root, unet=unet, dtype=torch.float32, variant=cfg.model.variant, local_files_only=True, **extra)
     pipe.set_progress_bar_config(disable=True)
+    if cfg.train.prediction_type:  # sample with the objective the UNet is being trained on
+        pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
     return pipe.to(device)
 
 
