@@ -24,7 +24,7 @@ from sdpipe.stages import prepare, prepare_decode
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"id", "path", "width", "height", "format", "mode", "bucket", "split", "repeats", "folder", "sidecar",
-            "sidecar_path"}
+            "sidecar_path", "file", "role"}
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from sdpipe import config, io
 from sdpipe.stages import caption, latents, prepare
-from tests.conftest import small_config
+from tests.conftest import REPO, small_config
 
 pytestmark = pytest.mark.slow
 TRAIN = {"mode": "full", "max_steps": 3, "per_device_batch_size": 4, "learning_rate": 0.001,
@@ -145,6 +145,7 @@ def test_missing_latent_cache_is_one_line(tmp_path, cache):
 
 
 def test_ema_tracker_and_validation_outputs(tmp_path, cache):
+    project_dvc = (REPO / "dvc.yaml").read_text()
     train(tmp_path, cache, "ema", max_steps=2, ema={"enabled": True, "decay": 0.5}, tracker="dvclive",
           validation={"every": 1, "prompts": ["a red circle", "a blue star"], "seeds": [0, 1, 2], "steps": 1})
     out = tmp_path / "ema"
@@ -156,6 +157,7 @@ def test_ema_tracker_and_validation_outputs(tmp_path, cache):
     raw, averaged = unet_weights(out), load_file(str(next((out / "final" / "ema" / "unet").glob("*.safetensors"))))
     assert raw.keys() == averaged.keys() and any(not torch.equal(raw[k], averaged[k]) for k in raw)
     assert (out / "dvclive").is_dir() and list((out / "dvclive").rglob("loss*"))
+    assert (REPO / "dvc.yaml").read_text() == project_dvc  # DVCLive must not add its plots to the project's file
 
 
 def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
@@ -190,9 +192,13 @@ def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_s
                 {"index": tmp_path / "index.json", "summary": tmp_path / "ls.json"})
     index = io.read_json(tmp_path / "index.json")
     assert index["model"]["family"] == "sdxl" and all(len(it["crop_top_left"]) == 2 for it in index["items"])
-    train(tmp_path, (tmp_path / "index.json", raw_cfg), "sdxl", mode="lora", max_steps=2)
+    # Both text encoders train as LoRA on 2 processes: DDP must accept text_encoder's unused last layer.
+    train(tmp_path, (tmp_path / "index.json", raw_cfg), "sdxl", mode="lora", max_steps=2, num_processes=2,
+          per_device_batch_size=2, text_encoder={"mode": "lora"})
     summary = io.read_json(tmp_path / "sdxl" / "summary.json")
-    assert summary["optimizer_steps"] == 2 and (tmp_path / "sdxl" / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert summary["optimizer_steps"] == 2 and summary["world_size"] == 2
+    keys = load_file(str(tmp_path / "sdxl" / "final" / "pytorch_lora_weights.safetensors")).keys()
+    assert {k.split(".")[0] for k in keys} == {"unet", "text_encoder", "text_encoder_2"}
 
 
 def test_lora_output_reloads_with_its_alpha(tmp_path, cache):
@@ -204,3 +210,35 @@ def test_lora_output_reloads_with_its_alpha(tmp_path, cache):
     pipe.load_lora_weights(str(tmp_path / "lora" / "final"))
     (adapter,) = pipe.unet.peft_config.values()
     assert (adapter.r, adapter.lora_alpha) == (4, 16)
+
+
+def test_text_encoder_full_fine_tune_saves_a_changed_encoder(tmp_path, cache):
+    from transformers import CLIPTextModel
+
+    train(tmp_path, cache, "te", max_steps=2, text_encoder={"mode": "full", "learning_rate": 0.01})
+    final = tmp_path / "te" / "final"
+    assert io.read_json(final / "final.json")["components"] == {"unet": "full", "text_encoder": "full"}
+    trained = CLIPTextModel.from_pretrained(final / "text_encoder").state_dict()
+    base = CLIPTextModel.from_pretrained(Path(cache[1]["model"]["pretrained"]) / "text_encoder").state_dict()
+    changed = [k for k in base if not torch.equal(base[k], trained[k])]
+    assert len(changed) > len(base) // 2  # the encoder trained (not just, say, one bias)
+
+
+def test_text_encoder_lora_on_two_processes_reloads_in_diffusers(tmp_path, cache):
+    """UNet LoRA + text-encoder LoRA through DDP; diffusers loads both and the encoder's output changes."""
+    from diffusers import StableDiffusionPipeline
+
+    train(tmp_path, cache, "telora", mode="lora", max_steps=2, num_processes=2, per_device_batch_size=2,
+          learning_rate=0.01, text_encoder={"mode": "lora"}, lora={"rank": 4, "alpha": 4})
+    pipe = StableDiffusionPipeline.from_pretrained(cache[1]["model"]["pretrained"], safety_checker=None)
+    ids = pipe.tokenizer(["a red circle"], padding="max_length", return_tensors="pt").input_ids
+    before = pipe.text_encoder(ids)[0]
+    pipe.load_lora_weights(str(tmp_path / "telora" / "final"))
+    assert pipe.text_encoder.peft_config and pipe.unet.peft_config
+    assert not torch.allclose(before, pipe.text_encoder(ids)[0])
+
+
+def test_text_encoder_lora_targets_are_checked_before_launch(tmp_path, cache):
+    proc = train(tmp_path, cache, "badte", check=False, text_encoder={"mode": "lora", "lora_target_modules": ["nope"]})
+    assert proc.returncode == 2 and "train.text_encoder.lora_target_modules: ['nope']" in proc.stderr
+    assert "Traceback" not in proc.stderr

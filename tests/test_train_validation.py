@@ -34,7 +34,7 @@ def _unet(model):
 
 
 def _render(accelerator, unet, model, out, step=0) -> np.ndarray:
-    path = validation.render(accelerator, unet, _cfg(model), step, out, PROMPTS, SEEDS, num_inference_steps=2,
+    path = validation.render(accelerator, {"unet": unet}, _cfg(model), step, out, PROMPTS, SEEDS, num_inference_steps=2,
                              guidance_scale=3.0, resolution=(32, 32))
     assert path == out / f"step-{step:08d}.png" and path.is_file()
     with Image.open(path) as im:
@@ -59,14 +59,14 @@ def test_vae_and_text_encoder_are_freed(accelerator, tiny_model, tmp_path, monke
 
     from diffusers.utils import logging as dlog
 
-    refs, load = [], validation._load_pipeline
+    refs, load = [], validation.load_pipeline
 
-    def spy(*args):
-        pipe = load(*args)
+    def spy(*args, **kwargs):
+        pipe = load(*args, **kwargs)
         refs.extend(weakref.ref(m) for m in (pipe.vae, pipe.text_encoder))
         return pipe
 
-    monkeypatch.setattr(validation, "_load_pipeline", spy)
+    monkeypatch.setattr(validation, "load_pipeline", spy)
     _render(accelerator, _unet(tiny_model), tiny_model, tmp_path)
     assert len(refs) == 2 and all(r() is None for r in refs)
     assert dlog.is_progress_bar_enabled()  # silenced only while loading

@@ -56,7 +56,7 @@ def text_component_names(pretrained: str, revision: str | None = None) -> list[s
 
 
 @contextlib.contextmanager
-def _user_errors(pretrained: str, what: str, variant: str | None) -> Iterator[None]:
+def user_errors(pretrained: str, what: str, variant: str | None) -> Iterator[None]:
     """Turn from_pretrained's missing-file errors (OSError, or ValueError for variants) into one fixable line."""
     try:
         yield
@@ -83,7 +83,7 @@ def load_vae(pretrained: str, revision: str | None = None, variant: str | None =
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> AutoencoderKL:
     """The pipeline's VAE, frozen (eval, no grads). Callers decide about fp32 upcasting (config.force_upcast)."""
     root, _ = model_index(pretrained, revision)
-    with _user_errors(pretrained, "the VAE", variant):
+    with user_errors(pretrained, "the VAE", variant):
         vae = AutoencoderKL.from_pretrained(root, subfolder="vae", variant=variant, torch_dtype=dtype)
     return _frozen(vae, device)
 
@@ -92,7 +92,7 @@ def load_unet(pretrained: str, revision: str | None = None, variant: str | None 
               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> UNet2DConditionModel:
     """The UNet as saved (trainable: grads on, eval mode as from_pretrained leaves it; training calls .train())."""
     root, _ = model_index(pretrained, revision)
-    with _user_errors(pretrained, "the UNet", variant):
+    with user_errors(pretrained, "the UNet", variant):
         unet = UNet2DConditionModel.from_pretrained(root, subfolder="unet", variant=variant, torch_dtype=dtype)
     return unet.to(device=device)
 
@@ -100,7 +100,7 @@ def load_unet(pretrained: str, revision: str | None = None, variant: str | None 
 def load_noise_scheduler(pretrained: str, revision: str | None = None) -> DDPMScheduler:
     """The training noise schedule: DDPM with the pipeline's betas and prediction type (SDXL ships Euler's config)."""
     root, _ = model_index(pretrained, revision)
-    with _user_errors(pretrained, "the scheduler", None):
+    with user_errors(pretrained, "the scheduler", None):
         return DDPMScheduler.from_pretrained(root, subfolder="scheduler")
 
 
@@ -112,11 +112,13 @@ class TextStack:
     """
 
     def __init__(self, family: str, tokenizers: list, encoders: list[torch.nn.Module],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", names: list[str] = ()):
         self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
+        self.names = list(names) or [enc for _, enc in TEXT_PAIRS][:len(encoders)]  # pipeline component names
         self.dtype, self.device = dtype, torch.device(device)
 
     def _ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
+        encoder = getattr(encoder, "module", encoder)  # a DDP-wrapped encoder (text-encoder training)
         length = min(tokenizer.model_max_length, encoder.config.max_position_embeddings)  # guards a 1e30 default
         tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
         ids = {"input_ids": tok.input_ids.to(self.device)}
@@ -126,6 +128,10 @@ class TextStack:
 
     @torch.no_grad()
     def encode(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        return self.embed(captions)
+
+    def embed(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """encode() with gradients, for training the text encoders."""
         if self.family == "sd":
             tokenizer, encoder = self.tokenizers[0], self.encoders[0]
             return {"hidden": encoder(**self._ids(tokenizer, encoder, captions))[0]}  # final-layer-normed last layer
@@ -140,15 +146,16 @@ class TextStack:
 def load_text_stack(pretrained: str, revision: str | None = None, variant: str | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TextStack:
     root, index = model_index(pretrained, revision)
-    family, tokenizers, encoders = pipeline_family(pretrained, revision), [], []
+    family, tokenizers, encoders, names = pipeline_family(pretrained, revision), [], [], []
     for tok_name, enc_name in TEXT_PAIRS:
         if not _present(index, enc_name):
             continue
-        with _user_errors(pretrained, f"{tok_name}/{enc_name}", variant):
+        with user_errors(pretrained, f"{tok_name}/{enc_name}", variant):
             tokenizers.append(_class(index, tok_name, transformers.CLIPTokenizer).from_pretrained(root / tok_name))
             encoder = _class(index, enc_name, transformers.CLIPTextModel).from_pretrained(root / enc_name,
                                                                                          variant=variant)
         encoders.append(_frozen(encoder, device, dtype))
+        names.append(enc_name)
     if not encoders:
         text_component_names(pretrained, revision)  # raises the UserError that explains it
-    return TextStack(family, tokenizers, encoders, dtype=dtype, device=device)
+    return TextStack(family, tokenizers, encoders, dtype=dtype, device=device, names=names)

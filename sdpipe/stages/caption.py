@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdpipe import hashing, io, parallel
-from sdpipe.stages import read_upstream
+from sdpipe.stages import image_file, read_upstream
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when a captioner's output changes for the same inputs, so old entries are not reused
@@ -76,7 +76,7 @@ def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]
     devices = caption_devices(cfg)[:len(misses)]  # a device without work would only load the model
     log.info("caption: %s for %d images on %s (%d cached)", source, len(misses), ",".join(devices),
              len(items) - sum(len(v) for v in misses.values()))
-    jobs = [{"key": key, "id": group[0].row["id"], "file": str(Path(cfg.data.raw_dir) / group[0].row["path"])}
+    jobs = [{"key": key, "id": group[0].row["id"], "file": image_file(cfg, group[0].row)}
             for key, group in misses.items()]
     parts = parallel.run_sharded(captioners.caption_worker, jobs, devices, f"captioning ({source})", spec=spec,
                                  cache_root=str(root), batch_size=cfg.caption.batch_size, pixels=pixels)
@@ -98,8 +98,10 @@ def caption_items(cfg, rows: list[dict]) -> tuple[list[Item], list[str]]:
         free.template_fields(cfg.caption.template)  # a bad template fails before any work
     root = Path(cfg.cache_dir) / "captions"
     items, devices = [Item(row) for row in rows], []
+    # DreamBooth class images are captioned by their sidecar, the class prompt they were generated from.
+    _free_step(cfg, "sidecar", [item for item in items if item.row.get("role") == "class"], root)
     for source in cfg.caption.chain:
-        todo = [item for item in items if item.caption is None]
+        todo = [item for item in items if item.caption is None and item.row.get("role") != "class"]
         if not todo:
             break
         if source in FREE_SOURCES:

@@ -58,7 +58,7 @@ def _batches(jobs: list[dict], size: int):
 def _load_pixels(job: dict, settings: dict):
     pre = job["pre"]
     p = Preprocess(**{**pre, "bucket": tuple(pre["bucket"]), "background": tuple(pre["background"])})
-    img = images.load_checked(Path(settings["raw_dir"]) / job["path"], job["id"], p.background,
+    img = images.load_checked(Path(job["file"]), job["id"], p.background,
                               settings["max_pixels"])
     return to_tensor(cover_and_crop(img, p, job["id"])[0])
 

@@ -16,12 +16,12 @@ from sdpipe import hashing, io, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
-from sdpipe.stages import read_upstream
+from sdpipe.stages import image_file, read_upstream
 
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
-INDEX_VERSION = 3  # the layout of results/latents/index.json that training reads
+INDEX_VERSION = 4  # the layout of results/latents/index.json that training reads
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
@@ -80,7 +80,8 @@ def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
             continue
         text_key = _text_key(caption, model, lat.dtype)
         texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
-        item = {"id": row["id"], "path": row["path"], "bucket": row["bucket"], "repeats": row["repeats"],
+        item = {"id": row["id"], "path": row["path"], "role": row.get("role", "instance"), "bucket": row["bucket"],
+                "repeats": row["repeats"],
                 "caption": caption, "text_key": text_key, "flip_key": None,
                 "original_size": [row["height"], row["width"]]}  # SDXL's size conditioning is (h, w)
         for flip in ([False, True] if lat.flip else [False]):
@@ -95,7 +96,8 @@ def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
                 item["crop_top_left"] = [top, left]
                 # A flipped latent was cut at the mirrored position: SDXL conditions on that corner.
                 item["flip_crop_top_left"] = [top, resized_w - left - row["bucket"][0]]
-            images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"], "pre": p.as_key()}
+            images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"],
+                           "file": image_file(cfg, row), "pre": p.as_key()}
         items.append(item)
     return items, list(images.values()), list(texts.values()), failed
 
@@ -131,7 +133,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
 
 def _worker_settings(cfg, root: Path, processes: int) -> dict:
     threads = cfg.latents.loader_threads or max(1, (os.cpu_count() or 1) // processes)
-    return {"raw_dir": cfg.data.raw_dir, "pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
+    return {"pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
             "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
             "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text"),
             "loader_threads": threads}

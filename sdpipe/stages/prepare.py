@@ -23,7 +23,8 @@ from sdpipe.errors import UserError
 from sdpipe.stages.prepare_decode import inspect_all
 
 log = logging.getLogger(__name__)
-INPUTS: dict[str, str] = {}
+# Read only when dreambooth.enabled: the class images folder the class_images rule writes.
+INPUTS = {"class_images": "results/class_images/images"}
 OUTPUTS = {
     "manifest": "results/prepare/manifest.jsonl",
     "rejected": "results/prepare/rejected.jsonl",
@@ -169,7 +170,8 @@ def _row(cfg, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | Non
     if warning := extension_warning(rel, info["format"]):
         out.warnings.append(warning)
     repeats, folder = kohya_folder(rel)
-    return {"id": image_id, "path": rel, **{k: info[k] for k in DECODED_KEYS},
+    return {"id": image_id, "path": rel, "file": str(raw / rel), "role": "instance",
+            **{k: info[k] for k in DECODED_KEYS},
             "bucket": list(assign_bucket(info["width"], info["height"], buckets)),
             "split": split_of(image_id, cfg.prepare.eval_fraction), "repeats": repeats, "folder": folder,
             "sidecar": text, "sidecar_path": sidecar}
@@ -245,6 +247,22 @@ def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
              manifest)
 
 
+def class_rows(cfg, folder: Path, instance_samples: int) -> tuple[list[dict], Outcome]:
+    """DreamBooth class images: always trained on, captioned by their sidecar (the class prompt), and repeated so
+    that an epoch holds about as many class samples as instance samples (kohya's regularisation-image balance)."""
+    if not folder.is_dir():
+        raise UserError(f"class images folder {folder} not found; run `snakemake class_images` first")
+    images, sidecars = scan(folder, [".txt"])
+    results = inspect_all(folder, images, validation_params(cfg), str(Path(cfg.cache_dir) / "prepare"), 1)
+    out = collect(cfg, folder, images, results, match_sidecars(images, sidecars, [".txt"])[0])
+    if not out.rows:
+        raise UserError(f"no usable class images in {folder}; rerun `snakemake class_images`")
+    repeats = max(1, round(instance_samples / len(out.rows)))
+    for row in out.rows:
+        row.update(role="class", split="train", repeats=repeats, folder="")
+    return out.rows, out
+
+
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     raw, images, sidecars = _candidates(cfg)
     params = validation_params(cfg)
@@ -256,7 +274,15 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     out.rejected.sort(key=lambda r: r["path"])
     _check_usable(cfg, out, len(images))
     summary = summarize(cfg, out, len(images) + len(sidecars), params)
-    io.write_jsonl(outputs["manifest"], out.rows)
+    rows = out.rows
+    if cfg.dreambooth.enabled:
+        instance_samples = sum(r["repeats"] for r in rows if r["split"] == "train")
+        extra, class_out = class_rows(cfg, Path(inputs["class_images"]), instance_samples)
+        known = {r["id"] for r in rows}
+        rows = rows + [r for r in extra if r["id"] not in known]  # an instance image wins over an equal class one
+        summary["class"] = {"accepted": len(extra), "rejected": len(class_out.rejected),
+                            "repeats": extra[0]["repeats"], "instance_samples": instance_samples}
+    io.write_jsonl(outputs["manifest"], rows)
     io.write_jsonl(outputs["rejected"], out.rejected)
     io.write_json(outputs["summary"], summary)
     _log_outcome(out, summary, Path(outputs["manifest"]))

@@ -43,6 +43,8 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
                                  t.lr_warmup_steps)
     if t.mode == "lora":
         _check_lora_targets(cfg)
+    if t.text_encoder.mode == "lora":
+        _check_text_lora_targets(cfg)
     _check_tracker(t.tracker)
     _check_topology(cfg, world)
     ident = model_id(cfg, data)
@@ -88,6 +90,20 @@ def _check_lora_targets(cfg) -> None:
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(root), subfolder="unet"))
     add_lora(unet, cfg.train.lora)
+
+
+def _check_text_lora_targets(cfg) -> None:
+    import torch
+    import transformers
+
+    from sdpipe.models import loading
+    from sdpipe.train.models import add_text_lora
+
+    root, index = loading.model_index(cfg.model.pretrained, cfg.model.revision)
+    for name in loading.text_component_names(cfg.model.pretrained, cfg.model.revision):
+        config = transformers.AutoConfig.from_pretrained(root / name)
+        with torch.device("meta"):
+            add_text_lora(getattr(transformers, index[name][1] or "CLIPTextModel")(config), cfg)
 
 
 def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:

@@ -17,7 +17,7 @@ from sdpipe.stages.latents import INDEX_VERSION
 
 
 class LatentData:
-    def __init__(self, index_path: str | Path):
+    def __init__(self, index_path: str | Path, prior_loss_weight: float = 1.0):
         index_path = Path(index_path)
         if not index_path.is_file():
             raise UserError(f"latent cache index {index_path} not found; run `snakemake latents` first")
@@ -33,9 +33,15 @@ class LatentData:
         self._handles: dict[Path, object] = {}
         # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
         self.sample_items = [i for i, item in enumerate(self.items) for _ in range(item["repeats"])]
+        # DreamBooth prior preservation: a class image's loss counts prior_loss_weight times an instance image's.
+        self.loss_weight = [prior_loss_weight if item.get("role") == "class" else 1.0 for item in self.items]
         self.latent_channels = self._tensor("latent", self.items[0]["latent_key"], "latent").shape[0]
         fields = ["hidden", "pooled"] if self.index["model"]["family"] == "sdxl" else ["hidden"]
         self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
+
+    def captions(self, samples: list[int], drop_caption: list[bool]) -> list[str]:
+        """The caption text of each sample ("" where dropped), for a text encoder being trained."""
+        return ["" if drop else self.items[self.sample_items[s]]["caption"] for s, drop in zip(samples, drop_caption)]
 
     def latent_shape(self, sample: int) -> tuple[int, int, int]:
         """(C, H, W) of a sample's latent, from its bucket and the VAE's downsampling."""
@@ -58,7 +64,8 @@ class LatentData:
         """Stacked latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices."""
         items = [self.items[self.sample_items[s]] for s in samples]
         keys = [it["flip_key"] if flip and it["flip_key"] else it["latent_key"] for it, flip in zip(items, flips)]
-        out = {"latents": torch.stack([self._tensor("latent", k, "latent") for k in keys]).float()}
+        out = {"latents": torch.stack([self._tensor("latent", k, "latent") for k in keys]).float(),
+               "weight": torch.tensor([self.loss_weight[self.sample_items[s]] for s in samples])}
         texts = [self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
                  for it, drop in zip(items, drop_caption)]
         for field in self.empty:

@@ -22,8 +22,8 @@ from sdpipe.errors import UserError
 from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
-from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_unet, save_final,
-                                 trainable)
+from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
+                                 build_unet, save_final, trainable)
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry
 
@@ -52,6 +52,18 @@ class Run:
     ckpt_dir: Path = None
     ema: object = None
     advance_bar: object = None
+    text: object = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
+
+    def trained(self) -> dict:
+        """Pipeline component name -> the (wrapped) model being trained."""
+        return {"unet": self.unet, **(dict(zip(self.text.names, self.text.encoders)) if self.text else {})}
+
+    def params(self) -> list:
+        return [p for m in self.trained().values() for p in trainable(m)]
+
+    def modes(self) -> dict:
+        t = self.cfg.train
+        return {name: t.mode if name == "unet" else t.text_encoder.mode for name in self.trained()}
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
@@ -61,8 +73,12 @@ OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep
 
 def model_id(cfg, data: LatentData) -> dict:
     """What a checkpoint must match to be resumed: the base model's weights and what is being trained."""
+    te = cfg.train.text_encoder
+    lora = cfg.train.mode == "lora" or te.mode == "lora"
     return {"vae_sha256": data.index["model"]["vae_sha256"], "pretrained": cfg.model.pretrained,
-            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if cfg.train.mode == "lora" else None,
+            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if lora else None,
+            "text_encoder": vars(te) if te.mode != "none" else None,
+            "prior_loss_weight": cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else None,
             # These change what a checkpoint holds (an EMA copy; a GradScaler), so accelerate cannot load across them.
             "ema": cfg.train.ema.enabled, "fp16": cfg.train.mixed_precision == "fp16"}
 
@@ -79,36 +95,42 @@ def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
 
 def build(cfg, index: Path, out: Path) -> Run:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     from sdpipe.models import loading
 
     # cpu=True on a CPU-only machine: without it accelerate treats each process launched with --multi_gpu as a
-    # lone single process instead of one gloo rank of several.
+    # lone single process instead of one gloo rank of several. SDXL conditions on the penultimate layer of its
+    # first text encoder, so when that encoder trains, its last layer gets no gradient: DDP must expect that.
     tracker = None if cfg.train.tracker == "none" else cfg.train.tracker
+    unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.train.text_encoder.mode != "none")
     accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
-                              cpu=not torch.cuda.is_available(), log_with=tracker)
+                              cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=[unused])
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
-    data = LatentData(index)
+    data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0)
     t, world = cfg.train, accelerator.num_processes
     buckets = data.sample_buckets()
     plan = accounting.plan_steps(accounting.count_buckets(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
                                  t.max_steps, t.epochs, t.lr_warmup_steps)
-    unet = build_unet(cfg, accelerator.device)
+    unet, text = build_unet(cfg, accelerator.device), build_text_stack(cfg, accelerator.device)
+    encoders = text.encoders if text else []
     noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)
-    optimizer = build_optimizer(cfg, trainable(unet), accelerator.device.type == "cuda")
+    optimizer = build_optimizer(cfg, unet, encoders, accelerator.device.type == "cuda")
     lr_scheduler = build_lr_scheduler(cfg, optimizer, plan.lr_schedule_steps)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
+    unet, *encoders, optimizer = accelerator.prepare(unet, *encoders, optimizer)
+    if text:
+        text.encoders = encoders
     accelerator.register_for_checkpointing(lr_scheduler)
-    ema = build_ema(cfg, unet, accelerator)
+    ema = build_ema(cfg, [p for m in [unet, *encoders] for p in trainable(m)], accelerator)
     if tracker:
-        kwargs = {"dvclive": {"dir": str(out / "dvclive"), "save_dvc_exp": False}}  # inside results, no git exp
+        # Inside results/, no git experiment, and no edits to the project's dvc.yaml (which declares its own plots).
+        kwargs = {"dvclive": {"dir": str(out / "dvclive"), "save_dvc_exp": False, "dvcyaml": False}}
         accelerator.init_trackers("sdpipe", config=_flat(cfg.raw["train"]), init_kwargs=kwargs)
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
     return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
-               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema)
+               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -163,12 +185,14 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> f
     run.telemetry.data_time(time.perf_counter() - start)
     noisy = objective.noisy_input(run.noise_scheduler, batch["latents"], draws, t.input_perturbation)
     with acc.autocast():
+        if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
+            batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
         pred = run.unet(noisy, draws["timesteps"], encoder_hidden_states=batch["hidden"],
                         added_cond_kwargs=_sdxl_kwargs(batch)).sample
     tgt = objective.target(run.noise_scheduler, batch["latents"], draws["noise"], draws["timesteps"],
                            run.prediction_type)
     losses = objective.per_sample_loss(pred, tgt, run.noise_scheduler, draws["timesteps"], run.prediction_type,
-                                       t.snr_gamma)
+                                       t.snr_gamma) * batch["weight"]
     acc.backward(losses.sum() * weight * acc.num_processes / step_samples)
     return float(losses.detach().sum()) * weight
 
@@ -183,13 +207,13 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
     """Clip, step, schedule; return the mean loss over every rank's samples (NaN stops the run)."""
     acc, t = run.accelerator, run.cfg.train
     if t.max_grad_norm is not None:
-        acc.clip_grad_norm_(trainable(run.unet), t.max_grad_norm)
+        acc.clip_grad_norm_(run.params(), t.max_grad_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps that overflowed: no LR or EMA step
         run.lr_scheduler.step()
         if run.ema is not None:
-            run.ema.step(trainable(run.unet))
+            run.ema.step(run.params())
     run.step += 1
     totals = acc.reduce(torch.tensor([loss_sum, samples], device=acc.device, dtype=torch.float64), "sum")
     mean = float(totals[0] / totals[1])
@@ -209,7 +233,7 @@ def maybe_validate(run: Run) -> None:
     from sdpipe.train.validation import render
 
     size = v.resolution or [run.cfg.prepare.buckets.resolution] * 2
-    path = render(run.accelerator, run.unet, run.cfg, run.step, run.out / "samples", v.prompts, v.seeds, v.steps,
+    path = render(run.accelerator, run.trained(), run.cfg, run.step, run.out / "samples", v.prompts, v.seeds, v.steps,
                   v.guidance, tuple(size))
     if path is not None:
         log.info("samples at step %d: %s", run.step, path)
@@ -233,7 +257,10 @@ def train_epoch(run: Run) -> bool:
         for j, chunk in enumerate(group):
             mine = rank_slice(chunk, acc.process_index, acc.num_processes)
             # Gradients are all-reduced only on the last micro-step of the optimizer step.
-            with acc.no_sync(run.unet) if j < len(group) - 1 else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if j < len(group) - 1:
+                    for model in run.trained().values():
+                        stack.enter_context(acc.no_sync(model))
                 loss_sum += micro_step(run, mine, step_samples, epoch)
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
@@ -293,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         with progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar:
             while not finished(run) and not train_epoch(run):
                 pass
-        save_final(run.accelerator, run.unet, run.cfg.train.mode, run.out / "final", run.ema)
+        save_final(run.accelerator, run.trained(), run.modes(), run.out / "final", run.ema,
+                   {"base": run.cfg.model.pretrained, "family": run.data.index["model"]["family"],
+                    "prediction_type": run.prediction_type, "optimizer_steps": run.step})
         write_summary(run, Path(args.summary), time.perf_counter() - start,
                       run.state.samples_seen_total - seen_before)
         run.telemetry.close()

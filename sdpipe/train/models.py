@@ -9,18 +9,37 @@ from sdpipe.errors import UserError
 MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 
 
-def add_lora(unet, lora_cfg) -> None:
-    """Freeze the UNet and add peft LoRA adapters on the configured modules."""
+def _check_targets(model, targets: list[str], key: str, typical: str) -> None:
+    names = {n for n, _ in model.named_modules()}
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise UserError(f"{key}: {missing} match no module of this model (typical: {typical})")
+
+
+def add_lora(model, lora_cfg, target_modules: list[str] | None = None, key: str = "train.lora.target_modules",
+             typical: str = "to_q, to_k, to_v, to_out.0") -> None:
+    """Freeze `model` (a UNet or a text encoder) and add peft LoRA adapters on the target modules."""
     from peft import LoraConfig
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in unet.named_modules()} | {n for n, _ in unet.named_modules()}
-    missing = [t for t in lora_cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        raise UserError(f"train.lora.target_modules: {missing} match no module of this UNet "
-                        "(typical: to_q, to_k, to_v, to_out.0)")
-    unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                                init_lora_weights="gaussian", target_modules=list(lora_cfg.target_modules)))
+    targets = list(target_modules or lora_cfg.target_modules)
+    _check_targets(model, targets, key, typical)
+    model.requires_grad_(False)
+    config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                        init_lora_weights="gaussian", target_modules=targets)
+    if hasattr(model, "set_adapters"):  # a diffusers model
+        model.add_adapter(config)
+    else:
+        # transformers' own add_adapter demands a newer peft than diffusers does; peft's injection is the same
+        # operation (and what diffusers does for its models).
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, model, adapter_name="default")
+        model.peft_config = {"default": config}
+
+
+def add_text_lora(encoder, cfg) -> None:
+    add_lora(encoder, cfg.train.lora, cfg.train.text_encoder.lora_target_modules,
+             "train.text_encoder.lora_target_modules", "q_proj, k_proj, v_proj, out_proj")
 
 
 def build_unet(cfg, device):
@@ -36,9 +55,36 @@ def build_unet(cfg, device):
     return unet.to(device)
 
 
-def build_optimizer(cfg, params: list, on_gpu: bool) -> torch.optim.Optimizer:
+def build_text_stack(cfg, device):
+    """The text encoder(s) in fp32, trainable (full or LoRA), when train.text_encoder.mode is not none."""
+    from sdpipe.models import loading
+
+    mode = cfg.train.text_encoder.mode
+    if mode == "none":
+        return None
+    stack = loading.load_text_stack(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
+                                    dtype=torch.float32, device="cpu")
+    for encoder in stack.encoders:
+        if mode == "lora":
+            add_text_lora(encoder, cfg)
+        else:
+            encoder.requires_grad_(True)
+        if cfg.train.gradient_checkpointing:
+            encoder.gradient_checkpointing_enable()
+        encoder.train()
+        encoder.to(device)
+    stack.device = torch.device(device)  # token ids go where the encoders are
+    return stack
+
+
+def build_optimizer(cfg, unet, text_encoders: list, on_gpu: bool) -> torch.optim.Optimizer:
+    """AdamW over the UNet's trainable weights and, in a group with its own learning rate, the text encoders'."""
     t = cfg.train
-    return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+    groups = [{"params": trainable(unet)}]
+    if text_encoders:
+        groups.append({"params": [p for e in text_encoders for p in trainable(e)],
+                       "lr": t.text_encoder.learning_rate or t.learning_rate})
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                              weight_decay=t.adam_weight_decay, eps=t.adam_epsilon, fused=on_gpu)
 
 
@@ -51,49 +97,62 @@ def build_lr_scheduler(cfg, optimizer, total_steps: int):
                          num_training_steps=total_steps)
 
 
-def build_ema(cfg, unet, accelerator):
+def build_ema(cfg, params: list, accelerator):
     """An EMA of the trained parameters (on their device), checkpointed with the rest; None when disabled."""
     if not cfg.train.ema.enabled:
         return None
     from diffusers.training_utils import EMAModel
 
-    ema = EMAModel(trainable(unet), decay=cfg.train.ema.decay)
+    ema = EMAModel(params, decay=cfg.train.ema.decay)
     ema.to(accelerator.device)
     accelerator.register_for_checkpointing(ema)
     return ema
 
 
-def trainable(unet) -> list[torch.nn.Parameter]:
-    return [p for p in unet.parameters() if p.requires_grad]
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
-def _save_weights(model, mode: str, folder) -> None:
-    if mode == "lora":
-        from diffusers import StableDiffusionPipeline
-        from peft.utils import get_peft_model_state_dict
+def _lora_layers(name: str, model) -> dict:
+    from peft.utils import get_peft_model_state_dict
 
-        # The adapter metadata carries lora_alpha: without it diffusers reloads with alpha = rank (wrong scale).
-        StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(model),
-                                                  unet_lora_adapter_metadata=model.peft_config["default"].to_dict())
-    else:
-        model.save_pretrained(str(folder / "unet"))
+    # The adapter metadata carries lora_alpha: without it diffusers reloads with alpha = rank (wrong scale).
+    return {f"{name}_lora_layers": get_peft_model_state_dict(model),
+            f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict()}
 
 
-def save_final(accelerator, unet, mode: str, out, ema=None) -> None:
-    """Rank 0 writes the trained weights: the UNet in diffusers format, or the LoRA in diffusers/peft format;
-    with EMA, the averaged weights too, in the same layout under ema/."""
+def _save_weights(models: dict, modes: dict, folder) -> None:
+    """Full models in diffusers folders (unet/, text_encoder/, ...); LoRA adapters in one diffusers/peft file."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    lora = {}
+    for name, model in models.items():
+        if modes[name] == "lora":
+            lora.update(_lora_layers(name, model))
+        else:
+            model.save_pretrained(str(folder / name))
+    if lora:
+        # Only the XL pipeline knows text_encoder_2; both write the same format for the rest.
+        pipe = StableDiffusionXLPipeline if "text_encoder_2" in models else StableDiffusionPipeline
+        pipe.save_lora_weights(str(folder), **lora)
+
+
+def save_final(accelerator, trained: dict, modes: dict, out, ema=None, info: dict | None = None) -> None:
+    """Rank 0 writes the trained weights (component name -> wrapped model, trained fully or as LoRA), with EMA
+    the averaged weights too in the same layout under ema/, and final.json saying what the folder holds."""
     from sdpipe import io
 
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
-    model = accelerator.unwrap_model(unet)
+    models = {name: accelerator.unwrap_model(m) for name, m in trained.items()}
     with io.atomic_dir(out) as tmp:
-        _save_weights(model, mode, tmp)
+        _save_weights(models, modes, tmp)
         if ema is not None:
-            params = trainable(model)
+            params = [p for m in models.values() for p in trainable(m)]
             ema.store(params)
             ema.copy_to(params)
             (tmp / "ema").mkdir()
-            _save_weights(model, mode, tmp / "ema")
+            _save_weights(models, modes, tmp / "ema")
             ema.restore(params)
+        io.write_json(tmp / "final.json", {**(info or {}), "components": modes, "ema": ema is not None})
