@@ -1,4 +1,4 @@
-# sdpipe: raw images -> prepare -> caption -> latents -> train (-> export -> evaluate -> report, in later stages).
+# sdpipe: raw images -> prepare -> caption -> latents -> train -> export -> evaluate -> report.
 # Rules live in workflow/rules/, one file per phase; every rule calls one `sdpipe <stage>` command.
 from snakemake.utils import min_version
 
@@ -12,9 +12,10 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.train.output,
+        rules.report.output,

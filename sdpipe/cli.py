@@ -17,9 +17,15 @@ from sdpipe.errors import UserError
 
 STAGES = {
     "prepare": "sdpipe.stages.prepare",
+    "class-images": "sdpipe.stages.class_images",
     "caption": "sdpipe.stages.caption",
     "latents": "sdpipe.stages.latents",
+    "train-vae": "sdpipe.stages.train_vae",
     "train": "sdpipe.stages.train",
+    "export": "sdpipe.stages.export",
+    "evaluate": "sdpipe.stages.evaluate",
+    "benchmark": "sdpipe.stages.benchmark",
+    "report": "sdpipe.stages.report",
 }
 DEFAULT_CONFIG = "config/config.yaml"
 
@@ -74,6 +80,15 @@ def _cmd_doctor(args) -> int:
     return doctor.run(load_config(args.config, args.set), strict=args.strict)
 
 
+def _cmd_fetch_weights(args) -> int:
+    from sdpipe.evaluate.fetch import fetch_weights
+
+    cfg = load_config(args.config, args.set)
+    for line in fetch_weights(cfg.evaluate.fid.inception_weights, cfg.evaluate.clip_score):
+        print(line)
+    return 0
+
+
 def _cmd_check_config(args) -> int:
     load_config(args.config, args.set)
     print(f"{args.config}: ok")
@@ -103,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.add_argument("--strict", action="store_true", help="exit 1 if a needed weight is missing")
     p.set_defaults(handler=_cmd_doctor)
+
+    p = sub.add_parser("fetch-weights", help="download the FID InceptionV3 and CLIP-score weights (needs internet)")
+    _add_config_flags(p)
+    p.set_defaults(handler=_cmd_fetch_weights)
 
     p = sub.add_parser("check-config", help="validate a config file and exit")
     _add_config_flags(p)

@@ -31,11 +31,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class TrainVaeConfig:
+    enabled: bool
+    steps: int
+    batch_size: int
+    learning_rate: float
+    kl_weight: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     pretrained: str
     build_preset: str | None
     revision: str | None
     variant: str | None
+    train_vae: TrainVaeConfig
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,26 @@ class MultiNodeConfig:
 
 
 @dataclass(frozen=True)
+class TextEncoderConfig:
+    mode: str
+    learning_rate: float | None
+    lora_target_modules: list[str]
+
+
+@dataclass(frozen=True)
+class DreamBoothConfig:
+    enabled: bool
+    class_prompt: str
+    num_class_images: int
+    prior_loss_weight: float
+    steps: int
+    guidance: float
+    batch_size: int
+    resolution: list[int] | None
+    gpus: Gpus
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     mode: str
     num_processes: int | Literal["auto"]
@@ -160,7 +190,61 @@ class TrainConfig:
     validation: ValidationConfig
     ema: EmaConfig
     lora: LoraConfig
+    text_encoder: TextEncoderConfig
     multi_node: MultiNodeConfig
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    resolution: list[int] | None
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    dtype: str
+    ema: bool
+    single_file: bool
+    verify: VerifyConfig
+
+
+@dataclass(frozen=True)
+class FidConfig:
+    enabled: bool
+    inception_weights: str | None
+    reference_stats: str | None
+
+
+@dataclass(frozen=True)
+class ClipScoreConfig:
+    enabled: bool
+    model: str
+    pretrained: str
+    model_config: str | None
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    prompts: list[str]
+    seeds: list[int]
+    steps: int
+    guidance: float
+    batch_size: int
+    resolution: list[int] | None
+    gpus: Gpus
+    fid: FidConfig
+    clip_score: ClipScoreConfig
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    gpu_counts: list[int]
+    steps: int
+    warmup_steps: int
 
 
 @dataclass(frozen=True)
@@ -172,7 +256,11 @@ class Config:
     prepare: PrepareConfig
     caption: CaptionConfig
     latents: LatentsConfig
+    dreambooth: DreamBoothConfig
     train: TrainConfig
+    export: ExportConfig
+    evaluate: EvaluateConfig
+    benchmark: BenchmarkConfig
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
 
@@ -294,9 +382,19 @@ def _resolve_types(cls) -> None:
 _resolve_types(Config)
 
 
+def _check_combinations(cfg: Config) -> None:
+    """Rules between keys that a per-key schema cannot say."""
+    if cfg.dreambooth.enabled and not cfg.dreambooth.class_prompt.strip():
+        raise UserError('config: dreambooth.enabled needs dreambooth.class_prompt (e.g. "a photo of a dog")')
+    if cfg.dreambooth.enabled and cfg.model.train_vae.enabled:
+        raise UserError("config: dreambooth.enabled and model.train_vae.enabled exclude each other: class images come "
+                        "from the base model, which needs a trained VAE already")
+
+
 def from_dict(raw: dict) -> Config:
     filled = validate_dict(raw)
     cfg = _build(Config, filled)
+    _check_combinations(cfg)
     object.__setattr__(cfg, "raw", filled)
     return cfg
 

@@ -10,6 +10,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "profiles", "runpod", "dvc.yaml", ".dvcignore"]
+# The demo config on a CPU-test schedule: every stage runs, each only a few steps.
+FAST = {"model": {"train_vae": {"enabled": True, "steps": 4, "batch_size": 8}},
+        "train": {"max_steps": 4, "per_device_batch_size": 4, "checkpoint_every": 2, "lr_warmup_steps": 0,
+                  "validation": {"every": 0}},
+        "export": {"verify": {"prompt": "a red circle on a white background", "steps": 2}},
+        "evaluate": {"prompts": ["a red circle on a white background", "a blue square on a white background"],
+                     "seeds": [0], "steps": 2, "fid": {"enabled": False}}}  # 40 images leave no eval split
 
 
 def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, **config_changes) -> Path:
@@ -26,7 +33,7 @@ def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, *
         shutil.copytree(raw_source, dest / "data" / "raw")
     cfg_path = dest / "config" / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())
-    for section, values in config_changes.items():
+    for section, values in {**FAST, **config_changes}.items():
         cfg[section].update(values) if isinstance(values, dict) else cfg.__setitem__(section, values)
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return dest

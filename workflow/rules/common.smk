@@ -3,14 +3,14 @@ import sys
 from pathlib import Path
 
 from sdpipe.errors import UserError
-from sdpipe.config import validate_dict
+from sdpipe.config import from_dict
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
 from sdpipe import io as sdpipe_io
 
 # Validate against workflow/schemas/config.schema.yaml before any job is planned; a bad value stops here with
 # one line naming the key, the value and what is allowed.
 try:
-    CFG = validate_dict(config)
+    CFG = from_dict(config).raw
 except UserError as exc:
     sys.stderr.write(f"sdpipe: {exc}\n")
     sys.exit(2)
@@ -60,6 +60,35 @@ def raw_files(wildcards):
     return sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts))
 
 
+# With model.train_vae, every stage after it uses the base pipeline with the trained VAE (rule train_vae).
+TRAIN_VAE = CFG["model"]["train_vae"]["enabled"]
+STAGE_MODEL = "results/vae/model" if TRAIN_VAE else MODEL
+USE_MODEL = f"--set model.pretrained={STAGE_MODEL}" if TRAIN_VAE else ""
+
+
 def model_files(wildcards):
-    """The base model folder when the workflow builds it from a preset; a real checkpoint is not a DAG file."""
+    """The model folder stages load when the workflow makes it (a built preset, a trained VAE); a real checkpoint
+    is not a DAG file."""
+    return [STAGE_MODEL] if BUILD_PRESET or TRAIN_VAE else []
+
+
+def base_model_files(wildcards):
     return [MODEL] if BUILD_PRESET else []
+
+
+DREAMBOOTH = CFG["dreambooth"]["enabled"]
+CLASS_IMAGES = "results/class_images/images"
+
+
+def class_images(wildcards):
+    """DreamBooth runs prepare the generated class images too."""
+    return {"class_images": "results/class_images/summary.json"} if DREAMBOOTH else {}
+
+
+def scaling_input(wildcards):
+    """The scaling benchmark feeds evaluation only when benchmark.gpu_counts lists counts to time."""
+    return {"scaling": "results/benchmark/scaling.json"} if CFG["benchmark"]["gpu_counts"] else {}
+
+
+def benchmark_gpus():
+    return min(max(CFG["benchmark"]["gpu_counts"] or [1]), GPU_LIMIT)

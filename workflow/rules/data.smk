@@ -3,9 +3,35 @@
 # DVC checkout costs a scan, not a recomputation.
 
 
+if DREAMBOOTH:
+
+    rule class_images:
+        input:
+            model=base_model_files,
+        output:
+            summary="results/class_images/summary.json",
+        conda:
+            "../envs/sdpipe.yaml"
+        log:
+            "logs/class_images.log",
+        benchmark:
+            "benchmarks/class_images.tsv"
+        params:
+            config=RESOLVED_CONFIG,
+            images=CLASS_IMAGES,
+            settings={"dreambooth": CFG["dreambooth"], "model": CFG["model"], "seed": CFG["seed"],
+                      "resolution": CFG["prepare"]["buckets"]["resolution"]},
+        resources:
+            gpu=gpus_for("dreambooth"),
+        shell:
+            "sdpipe class-images --config {params.config} --set dreambooth.gpus={resources.gpu} "
+            "--images {params.images} --summary {output.summary} > {log} 2>&1"
+
+
 rule prepare:
     input:
         raw_files,
+        unpack(class_images),
     output:
         manifest="results/prepare/manifest.jsonl",
         rejected="results/prepare/rejected.jsonl",
@@ -18,9 +44,10 @@ rule prepare:
         "benchmarks/prepare.tsv"
     params:
         config=RESOLVED_CONFIG,
-        settings={"data": CFG["data"], "prepare": CFG["prepare"]},
+        settings={"data": CFG["data"], "prepare": CFG["prepare"], "dreambooth": DREAMBOOTH},
+        class_images=CLASS_IMAGES,
     shell:
-        "sdpipe prepare --config {params.config} --manifest {output.manifest} "
+        "sdpipe prepare --config {params.config} --class-images {params.class_images} --manifest {output.manifest} "
         "--rejected {output.rejected} --summary {output.summary} > {log} 2>&1"
 
 
@@ -63,9 +90,10 @@ rule latents:
     params:
         config=RESOLVED_CONFIG,
         settings={"latents": CFG["latents"], "model": CFG["model"], "cache_dir": CFG["cache_dir"]},
+        model=USE_MODEL,
     resources:
         gpu=gpus_for("latents"),
     shell:
-        "sdpipe latents --config {params.config} --set latents.gpus={resources.gpu} "
+        "sdpipe latents --config {params.config} {params.model} --set latents.gpus={resources.gpu} "
         "--manifest {input.manifest} --captions {input.captions} "
         "--index {output.index} --summary {output.summary} > {log} 2>&1"

@@ -1,5 +1,6 @@
 # The base model. With model.build_preset set (the embedded demo), a randomly initialised preset is built and
 # saved in diffusers format at model.pretrained; a real checkpoint (hub id or local folder) needs no rule.
+# With model.train_vae, its VAE is first trained on the training images (small domains trained from scratch).
 
 if BUILD_PRESET:
 
@@ -15,3 +16,28 @@ if BUILD_PRESET:
             seed=CFG["seed"],
         shell:
             "sdpipe build-model --preset {params.preset} --seed {params.seed} --out {output} > {log} 2>&1"
+
+
+if TRAIN_VAE:
+
+    rule train_vae:
+        input:
+            manifest="results/prepare/manifest.jsonl",
+            model=base_model_files,
+        output:
+            model=directory("results/vae/model"),
+            summary="results/vae/summary.json",
+        conda:
+            "../envs/sdpipe.yaml"
+        log:
+            "logs/train_vae.log",
+        benchmark:
+            "benchmarks/train_vae.tsv"
+        params:
+            config=RESOLVED_CONFIG,
+            settings={"model": CFG["model"], "seed": CFG["seed"], "prepare": CFG["prepare"]},
+        resources:
+            gpu=min(1, GPU_LIMIT),
+        shell:
+            "sdpipe train-vae --config {params.config} --manifest {input.manifest} --out {output.model} "
+            "--summary {output.summary} > {log} 2>&1"

@@ -20,9 +20,11 @@ rule train:
         config=RESOLVED_CONFIG,
         out=lambda wildcards, output: str(Path(output.summary).parent),
         procs=train_processes(),
-        settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"]},
+        model=USE_MODEL,
+        settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"],
+                  "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"]},
     resources:
         gpu=train_gpus(),
     shell:
-        "sdpipe train --config {params.config} --set train.num_processes={params.procs} "
+        "sdpipe train --config {params.config} {params.model} --set train.num_processes={params.procs} "
         "--index {input.index} --out {params.out} --summary {output.summary} > {log} 2>&1"

@@ -1,0 +1,151 @@
+"""A diffusers/peft LoRA (what training saves) -> kohya format, the LoRA file A1111, ComfyUI and most tools load.
+
+A kohya file names each adapted layer `<prefix><module path, dots as underscores>` (prefix lora_unet_; lora_te_ for
+SD's text encoder, lora_te1_/lora_te2_ for SDXL's) and stores `.lora_down.weight` (peft's lora_A), `.lora_up.weight`
+(lora_B) and `.alpha`; the layer's update is up @ down * alpha / rank, as in peft.
+
+diffusers' convert_state_dict_to_kohya is not used: it writes alpha = rank (which rescales any LoRA trained with
+lora_alpha != rank), lora_te1_ for SD 1.x, and text-encoder names without `text_model.` for transformers' flattened
+CLIPTextModel. The alphas here come from the adapter configs diffusers stores in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from sdpipe import io
+from sdpipe.errors import UserError
+from sdpipe.export.single_file import meta_model
+from sdpipe.models import loading
+
+log = logging.getLogger(__name__)
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' save_lora_weights name
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+_DOWN, _UP = ".lora_A.weight", ".lora_B.weight"
+
+
+def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The LoRA's tensors (keys `<component>.<module>.lora_A/B.weight`) and each component's peft adapter config
+    from the metadata (a component is missing there when diffusers saved no metadata for it)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(lora) / LORA_FILE if Path(lora).is_dir() else Path(lora)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"cannot read a diffusers LoRA ({LORA_FILE}) at {lora}: {exc}") from None
+    if not state:
+        raise UserError(f"{path} holds no tensors: not a LoRA")
+    odd = [k for k in state if not (k.split(".")[0] in COMPONENTS and k.endswith((_DOWN, _UP)))]
+    if odd:
+        raise UserError(f"{path} is not a diffusers LoRA of UNet/text encoders (unexpected tensor {odd[0]}); "
+                        "DoRA and LoRA biases are not exported")
+    configs: dict[str, dict] = {}
+    for key, value in json.loads(meta.get("lora_adapter_metadata", "{}")).items():
+        component, _, field = key.partition(".")
+        configs.setdefault(component, {})[field] = value
+    return state, configs
+
+
+def lora_modules(state: dict) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(component, module name) -> (down, up) weights."""
+    out = {}
+    for key, down in state.items():
+        if key.endswith(_DOWN):
+            component, _, module = key[: -len(_DOWN)].partition(".")
+            out[component, module] = (down, state[key[: -len(_DOWN)] + _UP])
+    return out
+
+
+def _alpha(config: dict, module: str, rank: int) -> float:
+    """kohya's alpha: the value for which alpha / rank equals peft's scaling of this module."""
+    from peft.utils.other import get_pattern_key
+
+    pattern = config.get("alpha_pattern") or {}
+    # No config: diffusers loads such a LoRA with alpha = rank, so the export keeps that meaning.
+    alpha = pattern.get(get_pattern_key(pattern.keys(), module), config.get("lora_alpha", rank))
+    return alpha * math.sqrt(rank) if config.get("use_rslora") else alpha  # rsLoRA scales by alpha / sqrt(rank)
+
+
+def _text_model(module: str) -> str:
+    # transformers >= 5.6 flattens CLIPTextModel (no text_model. level); kohya, A1111 and ComfyUI names keep it.
+    return module if module.startswith("text_model.") else f"text_model.{module}"
+
+
+def kohya_name(component: str, module: str, family: str) -> str:
+    if component == "unet":
+        return "lora_unet_" + module.replace(".", "_")
+    prefix = {"text_encoder": "lora_te_" if family == "sd" else "lora_te1_", "text_encoder_2": "lora_te2_"}[component]
+    return prefix + _text_model(module).replace(".", "_")
+
+
+def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict[str, torch.Tensor]:
+    modules = lora_modules(state)
+    unconfigured = sorted({c for c, _ in modules} - configs.keys())
+    if unconfigured:
+        log.warning("no adapter metadata for %s in the LoRA: exporting alpha = rank (scale 1), as diffusers loads it",
+                    ", ".join(unconfigured))
+    kohya = {}
+    for (component, module), (down, up) in modules.items():
+        name = kohya_name(component, module, family)
+        kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"] = down.contiguous(), up.contiguous()
+        kohya[f"{name}.alpha"] = torch.tensor(float(_alpha(configs.get(component, {}), module, down.shape[0])))
+    return kohya
+
+
+def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
+    """Every adapted layer must exist in the base model with the (out, in) shape the LoRA was trained on."""
+    root, _ = loading.model_index(str(base_model))
+    modules, fail = lora_modules(state), f"LoRA {lora} does not match base model {base_model}"
+    layers = {}
+    for component in sorted({c for c, _ in modules}):
+        if not (root / component).is_dir():
+            raise UserError(f"{fail}: it adapts {component}, which the base model does not have")
+        layers.update({(component, n.removeprefix("text_model.")): m
+                       for n, m in meta_model(root, component).named_modules()})
+    for (component, module), (down, up) in modules.items():
+        layer = layers.get((component, module.removeprefix("text_model.")))
+        if not isinstance(getattr(layer, "weight", None), torch.Tensor):
+            raise UserError(f"{fail}: its {component} has no layer {module}")
+        want, got = tuple(layer.weight.shape[:2]), (up.shape[0], down.shape[1])  # (out, in) features/channels
+        if want != got:
+            raise UserError(f"{fail}: {component} layer {module} maps {want[1]}->{want[0]} features in the base "
+                            f"model but {got[1]}->{got[0]} in the LoRA")
+
+
+def check_lora_matches(lora: str | Path, base_model: str | Path) -> None:
+    """Raise UserError unless every layer the LoRA adapts exists in the base model with the same shape."""
+    _check_state(read_lora(lora)[0], base_model, lora)
+
+
+def export_kohya(lora: str | Path, out: str | Path, base_model: str | Path) -> Path:
+    """Write the diffusers LoRA `lora` (folder or file) as a kohya .safetensors, after checking it fits `base_model`
+    (whose family also picks the text-encoder prefixes)."""
+    from safetensors.torch import save_file
+
+    state, configs = read_lora(lora)
+    _check_state(state, base_model, lora)
+    kohya = kohya_state_dict(state, configs, loading.pipeline_family(str(base_model)))
+    with io.atomic_path(out) as tmp:
+        save_file(kohya, str(tmp), metadata={"format": "pt"})
+    return Path(out)
+
+
+def fused_pipeline(base_model: str | Path, lora: str | Path):
+    """The base pipeline with `lora` (diffusers folder/file or kohya file) merged into its weights, loaded the way
+    users load LoRAs (load_lora_weights + fuse_lora): what an exported LoRA must reproduce."""
+    from diffusers import DiffusionPipeline
+
+    root, _ = loading.model_index(str(base_model))
+    pipe = DiffusionPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora()  # every LoRA-loadable component of the pipeline (UNet and text encoders)
+    pipe.unload_lora_weights()  # keeps the fused weights, drops the adapter layers
+    return pipe

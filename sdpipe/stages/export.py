@@ -1,0 +1,168 @@
+"""Export the trained weights as files people load elsewhere, and verify each by reloading it.
+
+Formats: a diffusers pipeline folder (StableDiffusion(XL)Pipeline.from_pretrained), one original-layout
+.safetensors (A1111, ComfyUI, diffusers' from_single_file) and, for LoRA runs, the LoRA in diffusers/peft and kohya
+format. Every export is reloaded with diffusers' own loader and renders the verification prompt with a fixed seed;
+that image is compared with the one the trained model itself renders, and the difference goes into the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdpipe import io
+from sdpipe.errors import UserError
+from sdpipe.models import loading
+
+log = logging.getLogger(__name__)
+INPUTS = {"final": "results/train/final"}
+OUTPUTS = {"out": "results/export", "summary": "results/export/summary.json"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def trained_source(cfg, final: Path) -> tuple[Path, dict]:
+    """The folder of trained weights to export (final/ or final/ema/) and what it holds."""
+    if not (final / "final.json").is_file():
+        raise UserError(f"no trained model at {final}; run `snakemake train` first")
+    info = io.read_json(final / "final.json")
+    if cfg.export.ema and not info.get("ema"):
+        raise UserError("export.ema is true but the run kept no EMA; set train.ema.enabled and retrain, "
+                        "or export.ema: false")
+    return (final / "ema" if cfg.export.ema else final), info
+
+
+def trained_pipeline(cfg, source: Path, components: dict, fuse: bool):
+    """The base pipeline with the trained components in fp32: full ones replace the base's, LoRA ones are loaded
+    as adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
+    from diffusers import UNet2DConditionModel
+
+    from sdpipe.models.pipeline import load_pipeline
+
+    parts = {}
+    for name, mode in components.items():
+        if mode == "full" and name == "unet":
+            parts[name] = UNet2DConditionModel.from_pretrained(source / name)
+        elif mode == "full":
+            parts[name] = _text_class(cfg, name).from_pretrained(source / name)
+    # The trained objective goes into the scheduler config, so the exported pipeline samples with it.
+    pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
+                         prediction_type=cfg.train.prediction_type, **parts)
+    if "lora" in components.values():
+        pipe.load_lora_weights(str(source))
+        if fuse:
+            pipe.fuse_lora()
+            pipe.unload_lora_weights()
+    return pipe
+
+
+def _text_class(cfg, name: str):
+    import transformers
+
+    _, index = loading.model_index(cfg.model.pretrained, cfg.model.revision)
+    return getattr(transformers, index[name][1])
+
+
+def render(cfg, pipe) -> np.ndarray:
+    """The verification image: one prompt, one seed, CPU generator, as uint8 RGB."""
+    v = cfg.export.verify
+    size = v.resolution or [cfg.prepare.buckets.resolution] * 2
+    image = pipe(v.prompt, height=size[0], width=size[1], num_inference_steps=v.steps, guidance_scale=v.guidance,
+                 generator=torch.Generator(device="cpu").manual_seed(v.seed)).images[0]
+    return np.asarray(image.convert("RGB"))
+
+
+def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: float, out: Path, **details) -> dict:
+    """How far a reloaded export's image is from the trained model's own (RGB levels, 0-255)."""
+    from PIL import Image
+
+    diff = np.abs(image.astype(np.int16) - reference.astype(np.int16))
+    path = out / "verify" / f"{name}.png"
+    with io.atomic_path(path) as tmp:
+        Image.fromarray(image).save(tmp, "PNG")
+    mean = float(diff.mean())
+    return {**details, "max_abs_diff": int(diff.max()), "mean_abs_diff": round(mean, 4),
+            "verified": mean <= tolerance, "image": str(path)}
+
+
+def export_diffusers(cfg, pipe, out: Path, dtype: str) -> Path:
+    folder = out / "diffusers"
+    if folder.exists():
+        shutil.rmtree(folder)
+    with io.atomic_dir(folder) as tmp:
+        pipe.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
+    pipe.to(torch.float32)
+    return folder
+
+
+def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dict:
+    from sdpipe.models.pipeline import load_pipeline
+
+    pipe = load_pipeline(str(folder), prediction_type=cfg.train.prediction_type)  # fp32 on the CPU
+    return compare("diffusers", render(cfg, pipe), reference, cfg.export.verify.tolerance, out, path=str(folder),
+                   loader=f"{type(pipe).__name__}.from_pretrained")
+
+
+def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, family: str) -> dict:
+    from sdpipe.export.single_file import export_single_file, load_single_file
+
+    path = export_single_file(folder, out / "model.safetensors", cfg.export.dtype)
+    pipe = load_single_file(path, folder, family)
+    if cfg.train.prediction_type:
+        pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
+    pipe.set_progress_bar_config(disable=True)
+    return compare("single_file", render(cfg, pipe), reference, cfg.export.verify.tolerance, out, path=str(path),
+                   loader=f"{type(pipe).__name__}.from_single_file")
+
+
+def export_loras(cfg, source: Path, reference: np.ndarray, out: Path) -> dict:
+    """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each loaded into a fresh
+    base pipeline with load_lora_weights."""
+    from sdpipe.export.lora import export_kohya
+    from sdpipe.models.pipeline import load_pipeline
+
+    folder = out / "lora"
+    with io.atomic_path(folder / "pytorch_lora_weights.safetensors") as tmp:
+        shutil.copy2(source / "pytorch_lora_weights.safetensors", tmp)
+    kohya = export_kohya(folder, out / "lora_kohya.safetensors", cfg.model.pretrained)
+    results = {}
+    for name, path in (("lora", folder), ("lora_kohya", kohya)):
+        pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
+                             prediction_type=cfg.train.prediction_type)
+        pipe.load_lora_weights(str(path))
+        results[name] = compare(name, render(cfg, pipe), reference, cfg.export.verify.tolerance, out,
+                                path=str(path), loader="load_lora_weights")
+    return results
+
+
+def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+    out, e = Path(outputs["out"]), cfg.export
+    source, info = trained_source(cfg, Path(inputs["final"]))
+    components = info["components"]
+    if "lora" in components.values():
+        from sdpipe.export.lora import check_lora_matches
+
+        check_lora_matches(source, cfg.model.pretrained)  # before any rendering
+    reference = render(cfg, trained_pipeline(cfg, source, components, fuse=False))
+    compare("trained", reference, reference, e.verify.tolerance, out)
+    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out, e.dtype)
+    formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
+    if e.single_file:
+        formats["single_file"] = export_single(cfg, folder, reference, out, info["family"])
+    if "lora" in components.values():
+        formats.update(export_loras(cfg, source, reference, out))
+    summary = {"source": str(source), "components": components, "dtype": e.dtype, "ema": e.ema,
+               "verify": vars(e.verify), "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
+    io.write_json(outputs["summary"], summary)
+    for name, result in formats.items():
+        log.info("export %s: %s (mean |diff| %.3f, max %d RGB levels) %s", name, result["path"],
+                 result["mean_abs_diff"], result["max_abs_diff"], "verified" if result["verified"] else "FAILED")
+    failed = [name for name, r in formats.items() if not r["verified"]]
+    if failed:
+        raise UserError(f"export verification failed for {', '.join(failed)} (mean difference above "
+                        f"export.verify.tolerance = {e.verify.tolerance}); see {outputs['summary']}")
+    return summary

@@ -1,0 +1,156 @@
+"""Export (every format reloaded with diffusers' loaders and compared by image), evaluation (sharded, metrics
+null with a reason when their weights are missing) and the scaling benchmark, on runs of the tiny preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdpipe import config, io
+from sdpipe.errors import UserError
+from sdpipe.stages import benchmark, caption, evaluate, export, latents, prepare, train
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.slow
+TRAIN = {"max_steps": 2, "per_device_batch_size": 4, "lr_warmup_steps": 0, "learning_rate": 0.01,
+         "checkpoint_every": 100, "num_processes": 1, "validation": {"every": 0}}
+VERIFY = {"prompt": "a red circle on a white background", "steps": 3, "guidance": 2.0}
+EVALUATE = {"prompts": ["a red circle on a white background", "a blue square on a black background"],
+            "seeds": [0, 1, 2], "steps": 3, "guidance": 2.0, "gpus": 0,
+            "fid": {"inception_weights": None}, "clip_score": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, demo_source, tiny_model):
+    """Prepared, captioned and cached demo images (eval split 25%), as the real stages make them."""
+    tmp = tmp_path_factory.mktemp("exp")
+    raw = small_config(tmp, demo_source, tiny_model)
+    raw["prepare"]["eval_fraction"] = 0.25
+    cfg = config.from_dict(raw)
+    prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
+    caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
+    latents.run(cfg, {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
+                {"index": tmp / "index.json", "summary": tmp / "ls.json"})
+    return tmp, raw
+
+
+def _cfg(data, **sections):
+    raw = {**data[1], "train": {**TRAIN, **sections.pop("train", {})}, "export": {"verify": VERIFY, "dtype": "fp32"},
+           "evaluate": EVALUATE}
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return config.from_dict(raw)
+
+
+def _train(data, out: Path, **train_settings):
+    cfg = _cfg(data, train=train_settings)
+    train.run(cfg, {"index": data[0] / "index.json"}, {"out": out, "summary": out / "summary.json"})
+    return out / "final"
+
+
+@pytest.fixture(scope="module")
+def full_run(data, tmp_path_factory):
+    return _train(data, tmp_path_factory.mktemp("full") / "train", mode="full")
+
+
+def test_full_fine_tune_exports_reload_pixel_exact_in_fp32(data, full_run, tmp_path):
+    summary = export.run(_cfg(data), {"final": full_run}, {"out": tmp_path, "summary": tmp_path / "s.json"})
+    assert set(summary["formats"]) == {"diffusers", "single_file"}
+    for name, result in summary["formats"].items():
+        assert result["verified"] and result["max_abs_diff"] == 0, (name, result)
+    assert summary["formats"]["single_file"]["loader"] == "StableDiffusionPipeline.from_single_file"
+    assert io.read_json(tmp_path / "s.json") == summary
+
+
+def test_fp16_export_stays_within_tolerance(data, full_run, tmp_path):
+    cfg = _cfg(data, export={"dtype": "fp16"})
+    summary = export.run(cfg, {"final": full_run}, {"out": tmp_path, "summary": tmp_path / "s.json"})
+    unet = next((tmp_path / "diffusers" / "unet").glob("*.safetensors"))
+    from safetensors.torch import load_file
+    import torch
+
+    assert all(t.dtype == torch.float16 for t in load_file(str(unet)).values())
+    assert all(r["verified"] for r in summary["formats"].values())
+
+
+def test_lora_run_exports_diffusers_and_kohya_loras(data, tmp_path):
+    final = _train(data, tmp_path / "train", mode="lora", text_encoder={"mode": "lora"},
+                   lora={"rank": 4, "alpha": 2})
+    summary = export.run(_cfg(data), {"final": final}, {"out": tmp_path / "e", "summary": tmp_path / "s.json"})
+    assert set(summary["formats"]) == {"diffusers", "single_file", "lora", "lora_kohya"}
+    assert all(r["verified"] for r in summary["formats"].values()), summary["formats"]
+    assert summary["formats"]["lora"]["max_abs_diff"] == 0  # the adapter as trained, loaded the way users do
+
+
+def test_lora_against_another_base_and_missing_run_are_one_line(data, tmp_path):
+    from sdpipe.models import presets
+
+    final = _train(data, tmp_path / "train", mode="lora")
+    other = presets.build_and_save("tiny-sdxl", tmp_path / "xl")
+    cfg = _cfg(data, model={"pretrained": str(other)})
+    with pytest.raises(UserError, match="LoRA"):
+        export.run(cfg, {"final": final}, {"out": tmp_path / "e", "summary": tmp_path / "s.json"})
+    assert not (tmp_path / "e" / "verify").exists()  # refused before any rendering
+    with pytest.raises(UserError, match="run `snakemake train` first"):
+        export.run(_cfg(data), {"final": tmp_path / "nothing"}, {"out": tmp_path / "e", "summary": tmp_path / "s"})
+
+
+@pytest.fixture(scope="module")
+def exported(data, full_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    export.run(_cfg(data), {"final": full_run}, {"out": out, "summary": out / "summary.json"})
+    return out / "diffusers"
+
+
+def _evaluate(data, exported, out: Path, cfg=None):
+    cfg = cfg or _cfg(data)
+    inputs = {"model": exported, "manifest": data[0] / "m.jsonl", "train_summary": data[0] / "none.json",
+              "scaling": data[0] / "none.json"}
+    return evaluate.run(cfg, inputs, {"metrics": out / "metrics.json", "samples": out / "samples"})
+
+
+def test_evaluation_is_sharded_reproducible_and_never_fakes_a_metric(data, exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights"))  # no FID weights here, no CLIP weights either
+    one = _evaluate(data, exported, tmp_path / "one")
+    assert one["fid"]["value"] is None and "sdpipe fetch-weights" in one["fid"]["reason"]
+    assert one["clip_score"]["value"] is None and one["clip_score"]["reason"]
+    assert one["colour_accuracy"]["value"] is not None and one["images"] == 6
+    assert set(one["timings"]) >= {"inference_samples_per_s", "train_samples_per_s"}
+    again = _evaluate(data, exported, tmp_path / "again")
+    strip = lambda m: {k: v for k, v in m.items() if k not in m["timings"]}
+    assert strip(one) == strip(again)
+    monkeypatch.setattr(evaluate, "eval_devices", lambda cfg: ["cpu", "cpu"])
+    _evaluate(data, exported, tmp_path / "two")
+    for name in sorted(p.name for p in (tmp_path / "one" / "samples").glob("0*.png")):
+        a, b = (np.asarray(Image.open(tmp_path / run / "samples" / name)).astype(int) for run in ("one", "two"))
+        assert np.abs(a - b).max() <= 2  # same seeds, same images (up to float rounding across batch shapes)
+    assert Image.open(tmp_path / "one" / "samples" / "grid.png").size == (3 * 32, 2 * 32)
+
+
+def test_too_small_eval_split_fails_before_rendering(data, exported, tmp_path, monkeypatch):
+    rows = io.read_jsonl(data[0] / "m.jsonl")
+    manifest = tmp_path / "m.jsonl"
+    io.write_jsonl(manifest, [r for r in rows if r["split"] == "train"] + [next(r for r in rows if r["split"] == "eval")])
+    monkeypatch.setattr(evaluate, "render", lambda *a: pytest.fail("rendered before the check"))
+    inputs = {"model": exported, "manifest": manifest, "train_summary": manifest, "scaling": manifest}
+    with pytest.raises(UserError, match="eval_fraction"):
+        evaluate.run(_cfg(data), inputs, {"metrics": tmp_path / "m.json", "samples": tmp_path / "s"})
+
+
+def test_empty_prompt_set_is_a_config_error(data):
+    with pytest.raises(UserError, match=r"evaluate.prompts = \[\] is not allowed; expected at least 1 item"):
+        _cfg(data, evaluate={"prompts": []})
+
+
+def test_benchmark_times_each_count_and_computes_efficiency(data, tmp_path):
+    cfg = _cfg(data, benchmark={"gpu_counts": [1, 2], "steps": 2, "warmup_steps": 1})
+    result = benchmark.run(cfg, {"index": data[0] / "index.json"}, {"out": tmp_path, "scaling": tmp_path / "s.json"})
+    table = result["scaling"]
+    assert [r["gpus"] for r in table] == [1, 2] and table[0]["efficiency"] == 1.0
+    assert all(r["samples_per_s"] > 0 for r in table)
+    assert io.read_json(tmp_path / "gpus-2" / "summary.json")["world_size"] == 2
+    for r in table:
+        assert r["efficiency"] == pytest.approx(r["per_gpu_samples_per_s"] / table[0]["per_gpu_samples_per_s"], rel=1e-3)

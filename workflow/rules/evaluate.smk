@@ -1,0 +1,100 @@
+# The end of the DAG: export the trained weights (each format verified by reloading), evaluate the exported
+# model, time training at several GPU counts (target `benchmark`, only with benchmark.gpu_counts), report.
+
+
+rule export:
+    input:
+        final=rules.train.output.final,
+        model=model_files,
+    output:
+        summary=report("results/export/summary.json", caption="../report/export.rst", category="Export"),
+        diffusers=directory("results/export/diffusers"),
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/export.log",
+    benchmark:
+        "benchmarks/export.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        model=USE_MODEL,
+        out=lambda wildcards, output: str(Path(output.summary).parent),
+        settings={"export": CFG["export"], "model": CFG["model"], "prediction": CFG["train"]["prediction_type"]},
+    shell:
+        "sdpipe export --config {params.config} {params.model} --final {input.final} --out {params.out} "
+        "--summary {output.summary} > {log} 2>&1"
+
+
+rule benchmark:
+    input:
+        index=rules.latents.output.index,
+        model=model_files,
+    output:
+        scaling="results/benchmark/scaling.json",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/benchmark.log",
+    params:
+        config=RESOLVED_CONFIG,
+        model=USE_MODEL,
+        settings={"benchmark": CFG["benchmark"], "train": CFG["train"], "model": CFG["model"]},
+    resources:
+        gpu=benchmark_gpus(),
+    shell:
+        "sdpipe benchmark --config {params.config} {params.model} --index {input.index} "
+        "--out results/benchmark --scaling {output.scaling} > {log} 2>&1"
+
+
+rule evaluate:
+    input:
+        unpack(scaling_input),
+        model=rules.export.output.diffusers,
+        manifest=rules.prepare.output.manifest,
+        train_summary=rules.train.output.summary,
+    output:
+        metrics=report("results/evaluate/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
+        samples=directory("results/evaluate/samples"),
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/evaluate.log",
+    benchmark:
+        "benchmarks/evaluate.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        settings={"evaluate": CFG["evaluate"], "seed": CFG["seed"]},
+    resources:
+        gpu=gpus_for("evaluate"),
+    shell:
+        "sdpipe evaluate --config {params.config} --set evaluate.gpus={resources.gpu} --model {input.model} "
+        "--manifest {input.manifest} --train-summary {input.train_summary} --metrics {output.metrics} "
+        "--samples {output.samples} > {log} 2>&1"
+
+
+rule report:
+    input:
+        resolved_config=RESOLVED_CONFIG,
+        prepare=rules.prepare.output.summary,
+        captions=rules.caption.output.summary,
+        latents=rules.latents.output.summary,
+        manifest=rules.prepare.output.manifest,
+        train_summary=rules.train.output.summary,
+        train_metrics=rules.train.output.metrics,
+        export=rules.export.output.summary,
+        metrics=rules.evaluate.output.metrics,
+        samples=rules.evaluate.output.samples,
+    output:
+        html=report("results/report/index.html", caption="../report/report.rst", category="Report"),
+        markdown="results/report/report.md",
+        assets=directory("results/report/assets"),
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/report.log",
+    shell:
+        "sdpipe report --config {input.resolved_config} --resolved-config {input.resolved_config} --prepare {input.prepare} --captions {input.captions} "
+        "--latents {input.latents} --manifest {input.manifest} --train-summary {input.train_summary} "
+        "--train-metrics {input.train_metrics} --samples-dir results/train/samples --export {input.export} "
+        "--metrics {input.metrics} --eval-grid {input.samples}/grid.png --eval-prompts {input.samples}/prompts.json "
+        "--html {output.html} --markdown {output.markdown} --assets {output.assets} > {log} 2>&1"
