@@ -16,15 +16,13 @@ import os
 import time
 from pathlib import Path
 
-VARIANTS = {
-    "base": [],
-    "2k-bs32": ["train.max_steps=2000", "train.per_device_batch_size=32"],
-    "2k-bs32-te": ["train.max_steps=2000", "train.per_device_batch_size=32", "train.text_encoder.mode=full"],
-    "2k-bs32-te-snr": ["train.max_steps=2000", "train.per_device_batch_size=32", "train.text_encoder.mode=full",
-                       "train.snr_gamma=5.0"],
-    "1k-bs32-te-lr1e-3": ["train.max_steps=1000", "train.per_device_batch_size=32", "train.text_encoder.mode=full",
-                          "train.learning_rate=0.001"],
-    "1k-bs32-te": ["train.max_steps=1000", "train.per_device_batch_size=32", "train.text_encoder.mode=full"],
+VARIANTS = {  # config overrides on top of config/config.yaml (the shipped demo settings are "default")
+    "default": [],
+    "te": ["train.text_encoder.mode=full"],
+    "3k": ["train.max_steps=3000"],
+    "3k-te": ["train.max_steps=3000", "train.text_encoder.mode=full"],
+    "lr1e-3-te": ["train.learning_rate=0.001", "train.text_encoder.mode=full"],
+    "snr5-te": ["train.snr_gamma=5.0", "train.text_encoder.mode=full"],
 }
 GUIDANCE = (1.0, 2.0, 4.0)
 

@@ -41,6 +41,8 @@ def test_dvc_repro_is_incremental(tmp_path, demo_source):
     assert "colour_accuracy" in metrics.stdout
     run([DVC, "plots", "show", "-o", "plots"], proj)
     assert (proj / "plots" / "index.html").is_file()
+    run([sys.executable, "-m", "snakemake", "--report", "snakemake-report.html"], proj)
+    assert (proj / "snakemake-report.html").stat().st_size > 0
 
     cfg_path = proj / "config" / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())

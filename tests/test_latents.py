@@ -107,7 +107,7 @@ def test_index_points_at_latents_of_the_bucket_shape(tmp_path, tiny_model):
     for item in index["items"]:
         w, h = item["bucket"]
         plain, flipped = lat.load(item["latent_key"])["latent"], lat.load(item["flip_key"])["latent"]
-        assert plain.shape == flipped.shape == (4, h // 4, w // 4)
+        assert plain.shape == flipped.shape == (8, h // 4, w // 4)  # the tiny VAE: 8 latent channels, downsampling 4
         assert not torch.allclose(plain, flipped)
         assert text.load(item["text_key"])["hidden"].shape == (77, 64)
     assert index["model"]["vae_sha256"] and index["model"]["family"] == "sd"

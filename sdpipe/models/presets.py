@@ -62,15 +62,19 @@ def text_encoder_configs(preset: str) -> list[CLIPTextConfig]:
 
 def _vae(channels: tuple[int, ...], layers: int, sample_size: int, scaling: float, **extra: Any) -> dict:
     n = len(channels)
-    return dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=channels,
-                down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
-                layers_per_block=layers, norm_num_groups=32, act_fn="silu",
-                sample_size=sample_size, scaling_factor=scaling, **extra)
+    return dict(dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=channels,
+                     down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
+                     layers_per_block=layers, norm_num_groups=32, act_fn="silu",
+                     sample_size=sample_size, scaling_factor=scaling), **extra)
 
 
 def vae_config(preset: str) -> dict:
     """AutoencoderKL kwargs. The downsampling factor is 2 ** (len(block_out_channels) - 1)."""
-    if _check(preset) in ("tiny", "tiny-sdxl"):
+    if _check(preset) == "tiny":
+        # 8 latent channels and 8 norm groups: with SD's 4 channels and 32 groups the from-scratch demo VAE lost
+        # the shapes' colours (calibrated on the 2-core CPU; see scripts/calibrate_demo.py).
+        return _vae((32, 32, 64), 1, 32, 0.18215, latent_channels=8, norm_num_groups=8)
+    if preset == "tiny-sdxl":
         # 0.18215 is SD's convention; a VAE trained from scratch should re-measure it (1 / std of its latents).
         return _vae((32, 32, 64), 1, 32, 0.18215)
     if preset == "sd15":
@@ -110,14 +114,25 @@ def unet_config(preset: str) -> dict:
     if preset == "tiny-sdxl":
         dims = [c.hidden_size for c in text_encoder_configs(preset)]
         return dict(tiny, **_sdxl_conditioning(dims, 16))
-    return dict(tiny, cross_attention_dim=CLIP_TINY["hidden"])
+    return dict(tiny, cross_attention_dim=CLIP_TINY["hidden"], in_channels=8, out_channels=8)  # the tiny VAE's 8
 
 
-def scheduler(preset: str) -> DDPMScheduler:
-    """SD's training noise schedule (all presets share it). clip_sample off: latents are not bounded to [-1, 1]."""
-    _check(preset)
-    return DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
-                         beta_end=0.012, prediction_type="epsilon", clip_sample=False, steps_offset=1)
+def scheduler(preset: str):
+    """SD's noise schedule. clip_sample off: latents are not bounded to [-1, 1].
+
+    The tiny demo model, trained from scratch, uses v-prediction on a zero-terminal-SNR schedule with trailing
+    timesteps (Lin et al. 2023) and samples with DDIM: with SD's epsilon schedule the model never sees pure noise
+    in training, so the colour of a flat shape is decided badly at the first sampling step. Chosen by measuring
+    the demo's prompt-colour accuracy (sdpipe.demo_colours) on the 2-core CPU.
+    """
+    common = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                  clip_sample=False, steps_offset=1)
+    if _check(preset) == "tiny":
+        from diffusers import DDIMScheduler
+
+        return DDIMScheduler(**common, prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                             timestep_spacing="trailing", set_alpha_to_one=False)
+    return DDPMScheduler(**common, prediction_type="epsilon")
 
 
 def _n_params(model: torch.nn.Module) -> int:
