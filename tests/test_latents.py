@@ -107,10 +107,27 @@ def test_index_points_at_latents_of_the_bucket_shape(tmp_path, tiny_model):
     for item in index["items"]:
         w, h = item["bucket"]
         plain, flipped = lat.load(item["latent_key"])["latent"], lat.load(item["flip_key"])["latent"]
-        assert plain.shape == flipped.shape == (8, h // 4, w // 4)  # the tiny VAE: 8 latent channels, downsampling 4
+        assert plain.shape == flipped.shape == (4, h // 4, w // 4)  # the tiny VAE: 4 latent channels, downsampling 4
         assert not torch.allclose(plain, flipped)
         assert text.load(item["text_key"])["hidden"].shape == (77, 64)
     assert index["model"]["vae_sha256"] and index["model"]["family"] == "sd"
+
+
+def test_training_sees_latents_scaled_as_pipelines_decode_them(tmp_path, tiny_model):
+    """The cache holds raw posterior means; training must scale them by the VAE's scaling_factor, because every
+    pipeline decodes `latents / scaling_factor`. Unscaled, a model learns latents several times too small or large,
+    and its images come out with shifted colours."""
+    from diffusers import AutoencoderKL
+
+    from sdpipe.train.data import LatentData
+
+    raw, _, _ = make_inputs(tmp_path, 2)
+    run_stage(tmp_path, raw, tiny_model)
+    data = LatentData(tmp_path / "out" / "index.json")
+    vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae")
+    cached = ShardStore(data.index["latent_store"]).load(data.items[0]["latent_key"])["latent"]
+    trained_on = data.batch([0], [False], [False])["latents"][0]
+    torch.testing.assert_close(trained_on, cached * vae.config.scaling_factor)
 
 
 def test_dtype_and_preprocessing_are_part_of_the_key(tmp_path, tiny_model):

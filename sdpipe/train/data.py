@@ -36,6 +36,10 @@ class LatentData:
         # DreamBooth prior preservation: a class image's loss counts prior_loss_weight times an instance image's.
         self.loss_weight = [prior_loss_weight if item.get("role") == "class" else 1.0 for item in self.items]
         self.latent_channels = self._tensor("latent", self.items[0]["latent_key"], "latent").shape[0]
+        # The cache holds the VAE posterior means as encoded; diffusion works on (mean - shift) * scaling_factor,
+        # the convention every diffusers pipeline decodes with (latents / scaling_factor + shift).
+        model = self.index["model"]
+        self.latent_shift, self.latent_scale = model.get("shift_factor") or 0.0, model["scaling_factor"]
         fields = ["hidden", "pooled"] if self.index["model"]["family"] == "sdxl" else ["hidden"]
         self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
 
@@ -61,10 +65,11 @@ class LatentData:
         return self._handles[shard].get_tensor(f"{key}{SEP}{field}")
 
     def batch(self, samples: list[int], flips: list[bool], drop_caption: list[bool]) -> dict:
-        """Stacked latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices."""
+        """Scaled latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices."""
         items = [self.items[self.sample_items[s]] for s in samples]
         keys = [it["flip_key"] if flip and it["flip_key"] else it["latent_key"] for it, flip in zip(items, flips)]
-        out = {"latents": torch.stack([self._tensor("latent", k, "latent") for k in keys]).float(),
+        raw = torch.stack([self._tensor("latent", k, "latent") for k in keys]).float()
+        out = {"latents": (raw - self.latent_shift) * self.latent_scale,
                "weight": torch.tensor([self.loss_weight[self.sample_items[s]] for s in samples])}
         texts = [self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
                  for it, drop in zip(items, drop_caption)]
