@@ -37,6 +37,7 @@ class TrainVaeConfig:
     batch_size: int
     learning_rate: float
     kl_weight: float
+    reconstruction: str
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Train the pipeline's VAE (AutoencoderKL) on a small image domain, e.g. the embedded demo from scratch.
 
 A randomly initialised VAE gives meaningless latents, so a diffusion model trained on them cannot learn anything
-visible. This trains the VAE's encoder and decoder on the images themselves: reconstruction loss (L1 or MSE, in
+visible. This trains the VAE's encoder and decoder on the images themselves: reconstruction loss (MSE or L1, in
 the [-1, 1] pixel range) plus a small KL term that keeps the latent space smooth, with AdamW and a cosine schedule.
 Afterwards the latent scale is re-measured (`scaling_factor` = 1 / std of the latents the latents stage would
 cache) and written into the VAE config, so diffusion sees unit-variance latents.
@@ -29,8 +29,6 @@ from sdpipe.preprocess import Preprocess, cover_and_crop, to_tensor
 
 log = logging.getLogger(__name__)
 EVAL_IMAGES = 256
-SAMPLE_SCALE = 1.0  # posterior samples in training (0 would train a plain autoencoder)
-COLOUR_W = 0.0  # extra weight on pixels that differ from the image border (the shapes)
 
 
 def load_pixels(paths: list[Path], resolution: int, background=(255, 255, 255),
@@ -80,11 +78,8 @@ def vae_loss(vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float,
     """(loss, reconstruction part): decode a posterior sample; KL is per latent element (mean), times kl_weight."""
     posterior = vae.encode(x).latent_dist
     noise = torch.randn(posterior.mean.shape, generator=generator).to(x.device)
-    y = vae.decode(posterior.mean + SAMPLE_SCALE * posterior.std * noise).sample
+    y = vae.decode(posterior.mean + posterior.std * noise).sample
     recon = (y - x).abs().mean() if reconstruction == "l1" else (y - x).pow(2).mean()
-    if COLOUR_W:
-        f = 4
-        recon = recon + COLOUR_W * (torch.nn.functional.avg_pool2d(y, f) - torch.nn.functional.avg_pool2d(x, f)).abs().mean()
     kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1.0 - posterior.logvar).mean()
     return recon + kl_weight * kl, float(recon.detach())
 
@@ -138,8 +133,8 @@ def _write(base_dir: Path, vae, out_dir: Path) -> None:
 
 
 def train_vae(base_dir: Path, images: list[Path], out_dir: Path, *, resolution: int = 32, steps: int = 600,
-              batch_size: int = 32, learning_rate: float = 1e-3, kl_weight: float = 1e-4, seed: int = 0,
-              device: str = "cpu", reconstruction: str = "l1", background=(255, 255, 255)) -> dict:
+              batch_size: int = 32, learning_rate: float = 1e-3, kl_weight: float = 1e-6, seed: int = 0,
+              device: str = "cpu", reconstruction: str = "mse", background=(255, 255, 255)) -> dict:
     """Train base_dir's vae/ on `images`; write base_dir + the trained VAE to out_dir; return statistics."""
     from diffusers import AutoencoderKL
 

@@ -70,13 +70,11 @@ def _vae(channels: tuple[int, ...], layers: int, sample_size: int, scaling: floa
 
 def vae_config(preset: str) -> dict:
     """AutoencoderKL kwargs. The downsampling factor is 2 ** (len(block_out_channels) - 1)."""
-    if _check(preset) == "tiny":
-        # 8 latent channels and 8 norm groups: with SD's 4 channels and 32 groups the from-scratch demo VAE lost
-        # the shapes' colours (calibrated on the 2-core CPU; see scripts/calibrate_demo.py).
-        return _vae((32, 32, 64), 1, 32, 0.18215, latent_channels=8, norm_num_groups=8)
-    if preset == "tiny-sdxl":
-        # 0.18215 is SD's convention; a VAE trained from scratch should re-measure it (1 / std of its latents).
-        return _vae((32, 32, 64), 1, 32, 0.18215)
+    if _check(preset) in ("tiny", "tiny-sdxl"):
+        # 8 norm groups, not SD's 32: with 32 channels, 32 groups normalise each channel on its own, which erases
+        # a flat shape's colour (the from-scratch demo VAE then decoded every shape pinkish; 2-core CPU calibration).
+        # 0.18215 is SD's convention; a VAE trained from scratch re-measures it (1 / std of its latents).
+        return _vae((32, 32, 64), 1, 32, 0.18215, norm_num_groups=8)
     if preset == "sd15":
         return _vae((128, 256, 512, 512), 2, 512, 0.18215)
     # SDXL's VAE overflows in fp16, hence force_upcast (pipelines and our encoder then run it in fp32).
@@ -114,7 +112,7 @@ def unet_config(preset: str) -> dict:
     if preset == "tiny-sdxl":
         dims = [c.hidden_size for c in text_encoder_configs(preset)]
         return dict(tiny, **_sdxl_conditioning(dims, 16))
-    return dict(tiny, cross_attention_dim=CLIP_TINY["hidden"], in_channels=8, out_channels=8)  # the tiny VAE's 8
+    return dict(tiny, cross_attention_dim=CLIP_TINY["hidden"])
 
 
 def scheduler(preset: str):
