@@ -26,4 +26,4 @@ lint: setup
 	snakemake --lint
 
 clean-results:
-	rm -rf results logs benchmarks .snakemake
+	rm -rf results logs .snakemake benchmarks/*.tsv
