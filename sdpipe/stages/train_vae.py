@@ -33,7 +33,8 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     stats = vae_train.train_vae(base, [Path(image_file(cfg, r)) for r in rows], Path(outputs["out"]),
                                 resolution=cfg.prepare.buckets.resolution, steps=v.steps, batch_size=v.batch_size,
-                                learning_rate=v.learning_rate, kl_weight=v.kl_weight, reconstruction=v.reconstruction, seed=cfg.seed, device=device,
+                                learning_rate=v.learning_rate, kl_weight=v.kl_weight,
+                                reconstruction=v.reconstruction, seed=cfg.seed, device=device,
                                 background=tuple(cfg.prepare.alpha_background))
     summary = {"images": len(rows), "device": device, **stats}
     io.write_json(outputs["summary"], summary)

@@ -40,7 +40,7 @@ class LatentData:
         # the convention every diffusers pipeline decodes with (latents / scaling_factor + shift).
         model = self.index["model"]
         self.latent_shift, self.latent_scale = model.get("shift_factor") or 0.0, model["scaling_factor"]
-        fields = ["hidden", "pooled"] if self.index["model"]["family"] == "sdxl" else ["hidden"]
+        fields = ["hidden", "pooled"] if model["family"] == "sdxl" else ["hidden"]
         self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
 
     def captions(self, samples: list[int], drop_caption: list[bool]) -> list[str]:
