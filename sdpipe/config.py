@@ -178,6 +178,7 @@ class TrainConfig:
     max_grad_norm: float | None
     mixed_precision: str
     gradient_checkpointing: bool
+    compile: str
     prediction_type: str | None
     snr_gamma: float | None
     noise_offset: float

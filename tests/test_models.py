@@ -156,3 +156,17 @@ def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
         loading.load_text_stack(tiny, variant="fp16")
     with pytest.raises(UserError, match="hf download"):
         loading.load_text_stack("nobody-sdpipe-test/not-a-model")  # a hub id not in the cache: no download tried
+
+
+@pytest.mark.parametrize("mode, device, compiled", [
+    ("auto", "cpu", False), ("auto", "cuda", True), ("eager", "cuda", False), ("compiled", "cpu", True)])
+def test_training_forward_compiles_where_configured(mode, device, compiled):
+    """train.compile: auto compiles on GPUs only; torch.compile is lazy, so nothing is compiled here."""
+    from types import SimpleNamespace
+
+    from sdpipe.train.models import training_forward
+
+    unet = torch.nn.Linear(2, 2)
+    forward = training_forward(SimpleNamespace(train=SimpleNamespace(compile=mode)), unet, torch.device(device))
+    assert (forward is not unet) == compiled
+    assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule) == compiled

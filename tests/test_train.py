@@ -173,8 +173,15 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
     index["latent_store"] = str(poisoned / "latents")
     io.write_json(tmp_path / "index.json", index)
     proc = train(tmp_path, (tmp_path / "index.json", raw_cfg), "nan", check=False, max_steps=3)
-    assert proc.returncode == 2 and "loss is nan at optimizer step 1" in proc.stderr
+    assert proc.returncode == 2 and "loss is nan in the optimizer steps up to 1;" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "nan" / "final").exists()
+
+
+def test_checkpoint_every_zero_saves_only_the_final_model(tmp_path, cache):
+    train(tmp_path, cache, "nockpt", checkpoint_every=0)
+    assert (tmp_path / "nockpt" / "final" / "unet").is_dir()
+    assert not list((tmp_path / "nockpt").glob("checkpoints/*/checkpoint-*"))
+    assert [int(r["step"]) for r in metrics(tmp_path / "nockpt")] == [1, 2, 3]
 
 
 def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_source):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
-                                 build_unet, save_final, trainable)
+                                 build_unet, save_final, trainable, training_forward)
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
-from sdpipe.train.telemetry import Telemetry
+from sdpipe.train.telemetry import Telemetry, check_finite
 
 log = logging.getLogger("sdpipe.train")
 
@@ -53,6 +52,7 @@ class Run:
     ema: object = None
     advance_bar: object = None
     text: object = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
+    forward: object = None  # what the training step calls: the (wrapped) UNet, torch.compile'd on GPUs by default
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
@@ -67,7 +67,7 @@ class Run:
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
-OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node",
+OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node", "compile",
                "tracker", "validation")
 
 
@@ -130,7 +130,8 @@ def build(cfg, index: Path, out: Path) -> Run:
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
     return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
-               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text)
+               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text,
+               forward=training_forward(cfg, unet, accelerator.device))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -163,8 +164,9 @@ def resume(run: Run) -> None:
                  run.state.samples_seen_total)
 
 
-def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> float:
-    """Forward and backward for this rank's share of one global batch; return the sum of its sample losses.
+def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> torch.Tensor:
+    """Forward and backward for this rank's share of one global batch; return the sum of its sample losses (a
+    device tensor: reading it would make the host wait for the GPU, so only the telemetry does, every log_every).
 
     The loss is scaled so that DDP's average over ranks, summed over the accumulated micro-steps, is the mean over
     all `step_samples` samples of the optimizer step: shares may be smaller (or empty) at a bucket's tail.
@@ -179,32 +181,27 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> f
     shape = run.data.latent_shape(indices[0])
     draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, t)
     batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
-    dev = acc.device
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    draws = {k: v.to(dev) for k, v in draws.items()}
+    batch, draws = _to_device(batch, acc.device), _to_device(draws, acc.device)
     run.telemetry.data_time(time.perf_counter() - start)
-    noisy = objective.noisy_input(run.noise_scheduler, batch["latents"], draws, t.input_perturbation)
-    with acc.autocast():
-        if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
+    if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
+        with acc.autocast():
             batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
-        pred = run.unet(noisy, draws["timesteps"], encoder_hidden_states=batch["hidden"],
-                        added_cond_kwargs=_sdxl_kwargs(batch)).sample
-    tgt = objective.target(run.noise_scheduler, batch["latents"], draws["noise"], draws["timesteps"],
-                           run.prediction_type)
-    losses = objective.per_sample_loss(pred, tgt, run.noise_scheduler, draws["timesteps"], run.prediction_type,
-                                       t.snr_gamma) * batch["weight"]
+    losses = objective.sample_losses(run.forward, run.noise_scheduler, batch["latents"], draws, batch, t,
+                                     run.prediction_type, acc.autocast) * batch["weight"]
     acc.backward(losses.sum() * weight * acc.num_processes / step_samples)
-    return float(losses.detach().sum()) * weight
+    return losses.detach().sum() * weight
 
 
-def _sdxl_kwargs(batch: dict) -> dict | None:
-    if "pooled" not in batch:
-        return None
-    return {"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}
+def _to_device(tensors: dict, device) -> dict:
+    """Host batch -> device. On a GPU through pinned memory, so the copy does not make the host wait for the GPU
+    and the next batch is prepared while this step still runs."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in tensors.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
 
 
-def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
-    """Clip, step, schedule; return the mean loss over every rank's samples (NaN stops the run)."""
+def optimizer_step(run: Run) -> None:
+    """Clip, step, schedule. Nothing here reads a GPU value back, so the host runs ahead of the GPU."""
     acc, t = run.accelerator, run.cfg.train
     if t.max_grad_norm is not None:
         acc.clip_grad_norm_(run.params(), t.max_grad_norm)
@@ -215,13 +212,6 @@ def optimizer_step(run: Run, loss_sum: float, samples: int) -> float:
         if run.ema is not None:
             run.ema.step(run.params())
     run.step += 1
-    totals = acc.reduce(torch.tensor([loss_sum, samples], device=acc.device, dtype=torch.float64), "sum")
-    mean = float(totals[0] / totals[1])
-    if not math.isfinite(mean):
-        last = checkpoint.complete_checkpoints(run.ckpt_dir)
-        raise UserError(f"loss is {mean} at optimizer step {run.step}; stopping. Last good checkpoint: "
-                        f"{last[-1] if last else 'none'} (lower train.learning_rate or use bf16)")
-    return mean
 
 
 def maybe_validate(run: Run) -> None:
@@ -253,7 +243,7 @@ def train_epoch(run: Run) -> bool:
     remaining = run.sampler.remaining(run.state)
     for start in range(0, len(remaining), k):
         group = remaining[start:start + k]
-        loss_sum, samples, step_samples = 0.0, 0, sum(len(c) for c in group)
+        loss_sum, samples, step_samples = 0, 0, sum(len(c) for c in group)
         for j, chunk in enumerate(group):
             mine = rank_slice(chunk, acc.process_index, acc.num_processes)
             # Gradients are all-reduced only on the last micro-step of the optimizer step.
@@ -264,11 +254,13 @@ def train_epoch(run: Run) -> bool:
                 loss_sum += micro_step(run, mine, step_samples, epoch)
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
-        mean = optimizer_step(run, loss_sum, samples)
-        run.telemetry.step(run, mean, sum(len(c) for c in group))
+        optimizer_step(run)
+        run.telemetry.step(run, loss_sum, samples, step_samples)
         run.advance_bar(1)
         maybe_validate(run)
-        if run.step % run.cfg.train.checkpoint_every == 0 or finished(run):
+        every = run.cfg.train.checkpoint_every
+        if every and (run.step % every == 0 or finished(run)):
+            check_finite(run, run.telemetry.window_loss())  # never checkpoint a diverged model
             save_checkpoint(run)
         if finished(run):
             return True

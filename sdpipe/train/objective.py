@@ -49,6 +49,21 @@ def target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: tor
     return scheduler.get_velocity(latents, noise, timesteps)
 
 
+def sample_losses(forward, scheduler, latents: torch.Tensor, draws: dict, cond: dict, t, prediction_type: str,
+                  autocast) -> torch.Tensor:
+    """The training objective for one batch: per-sample losses [B] of `forward` (the UNet, compiled or not).
+
+    `cond` holds the text states ("hidden"; SDXL also "pooled" and "time_ids"); `t` is the train config; `autocast`
+    a context factory (the accelerator's). The benchmark's parity check calls this very function.
+    """
+    noisy = noisy_input(scheduler, latents, draws, t.input_perturbation)
+    added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "pooled" in cond else None
+    with autocast():
+        pred = forward(noisy, draws["timesteps"], encoder_hidden_states=cond["hidden"], added_cond_kwargs=added).sample
+    tgt = target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
+    return per_sample_loss(pred, tgt, scheduler, draws["timesteps"], prediction_type, t.snr_gamma)
+
+
 def per_sample_loss(pred: torch.Tensor, tgt: torch.Tensor, scheduler, timesteps: torch.Tensor,
                     prediction_type: str, snr_gamma: float | None) -> torch.Tensor:
     """MSE per sample [B], optionally min-SNR-gamma weighted (Hang et al. 2023)."""

@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import time
 
 import torch
 
+from sdpipe.errors import UserError
+
 log = logging.getLogger("sdpipe.train")
 COLUMNS = ["step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_gpu", "data_wait", "peak_memory_mb",
            "samples_seen"]
+
+
+def check_finite(run, mean: float) -> None:
+    """A NaN/inf loss stops the run: checked for each logged window and before every checkpoint."""
+    if not math.isfinite(mean):
+        from sdpipe.train import checkpoint
+
+        last = checkpoint.complete_checkpoints(run.ckpt_dir)
+        raise UserError(f"loss is {mean} in the optimizer steps up to {run.step}; stopping. Last good checkpoint: "
+                        f"{last[-1] if last else 'none'} (lower train.learning_rate or use bf16)")
 
 
 class Telemetry:
@@ -24,6 +37,8 @@ class Telemetry:
         self.world = run.accelerator.num_processes
         self.device = run.accelerator.device
         self.total = run.plan.total_optimizer_steps
+        self.reduce = run.accelerator.reduce
+        self.last_loss = float("nan")
         self._reset()
         self.file = None
         if self.main:
@@ -36,7 +51,9 @@ class Telemetry:
                 self.writer.writeheader()
 
     def _reset(self) -> None:
-        self.window_start, self.samples, self.waiting, self.losses = time.perf_counter(), 0, 0.0, []
+        # The window's loss stays on the device until it is logged: reading it each step would stall the host.
+        self.window_start, self.samples, self.waiting, self.steps = time.perf_counter(), 0, 0.0, 0
+        self.loss_sum, self.loss_samples = torch.zeros((), device=self.device), 0
 
     def data_time(self, seconds: float) -> None:
         self.waiting += seconds
@@ -46,13 +63,28 @@ class Telemetry:
             return None
         return round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
 
-    def step(self, run, loss: float, samples: int) -> None:
-        self.samples += samples
-        self.losses.append(loss)
+    def window_loss(self) -> float:
+        """Mean loss per sample over every rank's samples since the last logged row (that row's, if none since).
+        A collective: every rank calls it at the same step."""
+        if not self.steps:
+            return self.last_loss
+        count = torch.tensor(float(self.loss_samples), device=self.device, dtype=torch.float64)
+        totals = self.reduce(torch.stack([self.loss_sum.double(), count]), "sum")
+        self.last_loss = float(totals[0] / totals[1]) if float(totals[1]) else float("nan")
+        return self.last_loss
+
+    def step(self, run, loss_sum: torch.Tensor, rank_samples: int, step_samples: int) -> None:
+        """After an optimizer step: this rank's loss sum over its `rank_samples`; `step_samples` over all ranks."""
+        self.samples += step_samples
+        self.loss_sum = self.loss_sum + loss_sum
+        self.loss_samples += rank_samples
+        self.steps += 1
         if run.step % self.every and run.step != self.total:
             return
+        loss = self.window_loss()
+        check_finite(run, loss)
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        row = {"step": run.step, "epoch": run.state.epoch, "loss": round(sum(self.losses) / len(self.losses), 6),
+        row = {"step": run.step, "epoch": run.state.epoch, "loss": round(loss, 6),
                "lr": run.lr_scheduler.get_last_lr()[0], "samples_per_s": round(self.samples / elapsed, 3),
                "samples_per_s_per_gpu": round(self.samples / elapsed / self.world, 3),
                "data_wait": round(min(self.waiting / elapsed, 1.0), 4), "peak_memory_mb": self.peak_memory_mb(),

@@ -1,0 +1,138 @@
+"""Which speed-ups pay on this GPU: the bare UNet training step and the bare VAE encoder, variant by variant.
+
+A research tool for issue 5 (its findings are in benchmarks/NOTES.md): it times the model alone, on random data
+already on the GPU, so each variant's gain is visible without the pipeline around it. The benchmark of record is
+scripts/bench_step.py, which times `sdpipe train` itself.
+
+    python scripts/explore_speed.py --part unet --preset sd15
+    python scripts/explore_speed.py --part vae
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench_step import SHAPES, random_batch
+
+
+def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> None:
+    """Compile each UNet/VAE block on its own: graphs stay small (bounded compile time), shapes static."""
+    for name in names:
+        part = getattr(model, name, None)
+        for block in (part if isinstance(part, torch.nn.ModuleList) else [part]):
+            if block is not None:
+                block.compile(dynamic=False)
+
+
+def prepare(model, variant: str):
+    if "cl" in variant.split("+"):
+        model = model.to(memory_format=torch.channels_last)
+    if "full" in variant.split("+"):
+        model = torch.compile(model, dynamic=False)
+    if "regional" in variant.split("+"):
+        compile_regions(model)
+    return model
+
+
+def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
+    from diffusers import UNet2DConditionModel
+
+    from sdpipe.models import presets
+
+    torch.manual_seed(0)
+    unet = prepare(UNet2DConditionModel(**presets.unet_config(preset)).cuda().train(), variant)
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=True)
+    data = random_batch(preset, batch)
+    if "cl" in variant.split("+"):
+        data["latents"] = data["latents"].to(memory_format=torch.channels_last)
+
+    def step():
+        noise = torch.randn_like(data["latents"])
+        t = torch.randint(0, 1000, (batch,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = unet(data["latents"] + noise, t, encoder_hidden_states=data["hidden"],
+                        added_cond_kwargs=data.get("added")).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _time(step, batch, steps)
+
+
+def vae_case(variant: str, batch: int, steps: int, dtype=torch.bfloat16) -> dict:
+    from diffusers import AutoencoderKL
+
+    from sdpipe.models import presets
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**presets.vae_config("sd15")).cuda().to(dtype).eval()
+    vae.encoder = prepare(vae.encoder, variant)
+    x = torch.rand(batch, 3, 512, 512, device="cuda", dtype=dtype) * 2 - 1
+    if "cl" in variant.split("+"):
+        x = x.to(memory_format=torch.channels_last)
+
+    @torch.no_grad()
+    def step():
+        vae.quant_conv(vae.encoder(x))
+
+    return _time(step, batch, steps)
+
+
+def _time(step, batch: int, steps: int) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    med = sorted(times)[len(times) // 2]
+    return {"samples_per_s": batch / med, "step_ms": med * 1e3, "warmup_s": warm,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["unet", "vae"], default="unet")
+    parser.add_argument("--preset", choices=sorted(SHAPES), default="sd15")
+    parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
+                        help="variant:batch, variant = eager or a '+' list of cl, full, regional")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    rows = []
+    for case in args.cases:
+        variant, batch = case.split(":")
+        try:
+            if args.part == "unet":
+                r = unet_case(args.preset, variant, int(batch), args.steps)
+            else:
+                r = vae_case(variant, int(batch), args.steps)
+        except torch.cuda.OutOfMemoryError:
+            r = {"samples_per_s": float("nan"), "step_ms": float("nan"), "warmup_s": float("nan"),
+                 "peak_gib": float("nan"), "note": "OOM"}
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        rows.append((case, r))
+        print(f"{args.part} {args.preset} {case}: {r}", flush=True)
+    print(f"\n| {args.part} {args.preset if args.part == 'unet' else 'sd15 VAE encoder 512px bf16'} | samples/s "
+          "| step ms | warm-up s | peak GiB |\n|---|---|---|---|---|")
+    for case, r in rows:
+        print(f"| {case} | {r['samples_per_s']:.1f} | {r['step_ms']:.1f} | {r['warmup_s']:.1f} | {r['peak_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
