@@ -2,7 +2,7 @@
 
 A research tool for issue 5 (its findings are in benchmarks/NOTES.md): it times the model alone, on random data
 already on the GPU, so each variant's gain is visible without the pipeline around it. The benchmark of record is
-scripts/bench_step.py, which times `sdpipe train` itself.
+`sdpipe bench`, which times `sdpipe train` itself.
 
     python scripts/explore_speed.py --part unet --preset sd15
     python scripts/explore_speed.py --part vae
@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from bench_step import SHAPES, random_batch
+from sdpipe.bench.baseline import random_cond
+
+RESOLUTION = {"sd15": 512, "sdxl": 1024}
 
 
 def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> None:
@@ -45,7 +47,8 @@ def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
     torch.manual_seed(0)
     unet = prepare(UNet2DConditionModel(**presets.unet_config(preset)).cuda().train(), variant)
     opt = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=True)
-    data = random_batch(preset, batch)
+    data = random_cond(preset, RESOLUTION[preset], batch, "cuda", torch.Generator().manual_seed(0))
+    added = {"text_embeds": data["pooled"], "time_ids": data["time_ids"]} if "pooled" in data else None
     if "cl" in variant.split("+"):
         data["latents"] = data["latents"].to(memory_format=torch.channels_last)
 
@@ -54,7 +57,7 @@ def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
         t = torch.randint(0, 1000, (batch,), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pred = unet(data["latents"] + noise, t, encoder_hidden_states=data["hidden"],
-                        added_cond_kwargs=data.get("added")).sample
+                        added_cond_kwargs=added).sample
         loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0, foreach=True)
@@ -106,7 +109,7 @@ def _time(step, batch: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["unet", "vae"], default="unet")
-    parser.add_argument("--preset", choices=sorted(SHAPES), default="sd15")
+    parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
                         help="variant:batch, variant = eager or a '+' list of cl, full, regional")
     parser.add_argument("--steps", type=int, default=10)

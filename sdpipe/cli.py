@@ -123,10 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_fetch_weights)
 
+    p = sub.add_parser("bench", help="GPU speed: the training step against the diffusers-example loop, latent "
+                                     "caching and the data loader, measured in one run (see benchmarks/)")
+    from sdpipe.bench.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(handler=_cmd_bench)
+
     p = sub.add_parser("check-config", help="validate a config file and exit")
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_check_config)
     return parser
+
+
+def _cmd_bench(args) -> int:
+    from sdpipe.bench.cli import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,6 +106,7 @@ class LatentsConfig:
     gpus: Gpus
     loader_threads: int
     cpu_processes: int
+    compile: str
 
 
 @dataclass(frozen=True)

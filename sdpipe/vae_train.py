@@ -25,7 +25,7 @@ from sdpipe import images as sd_images
 from sdpipe.errors import UserError
 from sdpipe.io import atomic_dir
 from sdpipe.log import progress
-from sdpipe.preprocess import Preprocess, cover_and_crop, to_tensor
+from sdpipe.preprocess import Preprocess, cover_and_crop, to_model_range, to_uint8
 
 log = logging.getLogger(__name__)
 EVAL_IMAGES = 256
@@ -43,13 +43,8 @@ def load_pixels(paths: list[Path], resolution: int, background=(255, 255, 255),
             img = sd_images.load_rgb(Path(path), background=p.background)
         except sd_images.ImageRejected as exc:
             raise UserError(f"VAE training: cannot use {path}: {exc}") from None
-        out.append(to_tensor(cover_and_crop(img, p, str(path))[0]))
-    return ((torch.stack(out) + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-
-
-def to_model_range(pixels: torch.Tensor, device) -> torch.Tensor:
-    """uint8 [0, 255] -> float [-1, 1] on the device (the VAE's input range, as preprocess.to_tensor makes)."""
-    return pixels.to(device=device, dtype=torch.float32) / 127.5 - 1.0
+        out.append(to_uint8(cover_and_crop(img, p, str(path))[0]))
+    return torch.stack(out)
 
 
 @torch.no_grad()

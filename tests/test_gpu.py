@@ -29,3 +29,25 @@ def test_latents_on_all_gpus_match_cpu(tmp_path, tiny_model):
         la = ShardStore(a["latent_store"]).load(x["latent_key"])["latent"]
         lb = ShardStore(b["latent_store"]).load(y["latent_key"])["latent"]
         torch.testing.assert_close(la, lb, rtol=2e-2, atol=2e-2)  # cuDNN may use TF32
+
+
+def test_compiled_training_step_matches_the_baseline(tiny_model):
+    """On a GPU the sdpipe step is torch.compile'd with fused AdamW: it must still compute the baseline's loss."""
+    from sdpipe.bench import parity
+
+    result = parity.check("tiny", 32, str(tiny_model), "cuda", batch=4, steps=3)
+    assert result["passed"], result
+
+
+def test_bench_runs_end_to_end_on_the_tiny_preset(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "sdpipe", "bench", "--preset", "tiny", "--images", "64", "--steps", "4",
+                    "--warmup", "2", "--work", str(tmp_path), "--out", str(tmp_path / "results")], check=True)
+    saved = json.loads((tmp_path / "results" / "bench-tiny.json").read_text())["presets"]["tiny"]
+    assert {r["kind"] for r in saved["rows"]} == {"baseline", "sdpipe"}
+    assert all(r["samples_per_s"] > 0 for r in saved["rows"])
+    assert saved["parity"]["passed"] and saved["loader"]["samples_per_s"] > 0
+    assert [v["encoded"] for v in saved["latents"]] == [64, 64]

@@ -7,13 +7,14 @@ has one shape) and writes one shard per batch, so a crash or kill loses only the
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sdpipe import images
 from sdpipe.cache_store import ShardStore
-from sdpipe.preprocess import Preprocess, cover_and_crop, to_tensor
+from sdpipe.preprocess import Preprocess, cover_and_crop, to_model_range, to_uint8
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -26,14 +27,14 @@ def _dtype(name: str):
 
 
 def encode(device: str, jobs: list[dict], report, settings: dict) -> dict:
-    failed = []
+    failed, steady = [], {"images": 0, "seconds": 0.0}
     image_jobs = [j for j in jobs if j["kind"] == "image"]
     text_jobs = [j for j in jobs if j["kind"] == "text"]
     if image_jobs:
-        failed += _encode_images(device, image_jobs, report, settings)
+        failed, steady = _encode_images(device, image_jobs, report, settings)
     if text_jobs:
         _encode_texts(device, text_jobs, report, settings)
-    return {"device": device, "failed": failed}
+    return {"device": device, "failed": failed, "steady": steady}
 
 
 def _compute_dtype(device: str, store_dtype: str, force_upcast: bool = False):
@@ -60,7 +61,7 @@ def _load_pixels(job: dict, settings: dict):
     p = Preprocess(**{**pre, "bucket": tuple(pre["bucket"]), "background": tuple(pre["background"])})
     img = images.load_checked(Path(job["file"]), job["id"], p.background,
                               settings["max_pixels"])
-    return to_tensor(cover_and_crop(img, p, job["id"])[0])
+    return to_uint8(cover_and_crop(img, p, job["id"])[0])
 
 
 def _try_load(job: dict, settings: dict):
@@ -97,22 +98,82 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> list[dict]:
+def _encoder(vae, device: str, mode: str):
+    """pixels -> posterior means. `latents.compile: auto` compiles the encoder, channels-last, on a GPU (SD 1.5's
+    at 512 px on an H200: 1.75x eager, benchmarks/NOTES.md); a CPU runs it eager. A second batch shape (another
+    bucket, a short last batch) recompiles once with dynamic shapes."""
+    import torch
+
+    if mode == "eager" or (mode == "auto" and not device.startswith("cuda")):
+        return lambda x: vae.encode(x).latent_dist.mean
+    vae.encoder = torch.compile(vae.encoder.to(memory_format=torch.channels_last))
+    return lambda x: vae.encode(x.contiguous(memory_format=torch.channels_last)).latent_dist.mean
+
+
+def _to_host(t):
+    """Start copying `t` to the host; return (tensor, event). The caller waits on the event only when it writes,
+    so the GPU encodes the next batch meanwhile."""
+    import torch
+
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+class _Clock:
+    """Images/s after the first written batch: compiling and loading the model stay out of the steady rate."""
+
+    def __init__(self):
+        self.first, self.last, self.images = None, None, 0
+
+    def written(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.images += n
+        self.last = now
+
+    def result(self) -> dict:
+        seconds = (self.last - self.first) if self.first is not None else 0.0
+        return {"images": self.images, "seconds": seconds}
+
+
+def _write(store, ok: list, means, clock: _Clock) -> None:
+    host, done = means
+    if done is not None:
+        done.synchronize()
+    store.write_shard({job["key"]: {"latent": m} for (job, _), m in zip(ok, host)})
+    clock.written(len(ok))
+
+
+def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tuple[list[dict], dict]:
     import torch
 
     vae, compute = _load_vae(device, settings)
+    encode = _encoder(vae, device, settings.get("compile", "auto"))
     store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
+    pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):
         ok = [(job, px) for job, px in zip(batch, loaded) if not isinstance(px, Exception)]
         failed += [{"id": j["id"], "path": j["path"], "reason": str(px)} for j, px in zip(batch, loaded)
                    if isinstance(px, Exception)]
+        current = None
         if ok:
             with torch.no_grad():
-                x = torch.stack([px for _, px in ok]).to(device=device, dtype=compute)
-                mean = vae.encode(x).latent_dist.mean  # [B, C, H/f, W/f]
-            store.write_shard({job["key"]: {"latent": m.to(store_dtype)} for (job, _), m in zip(ok, mean)})
+                x = to_model_range(torch.stack([px for _, px in ok]), device, compute)
+                current = (ok, _to_host(encode(x).to(store_dtype)))
+        if pending:  # written while the device encodes `current`: one shard per batch, as before
+            _write(store, *pending, clock)
+        pending = current
         report(len(batch))
-    return failed
+    if pending:
+        _write(store, *pending, clock)
+    return failed, clock.result()
 
 
 def _encode_texts(device: str, jobs: list[dict], report, settings: dict) -> None:

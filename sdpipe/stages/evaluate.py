@@ -98,26 +98,11 @@ def colour_accuracy(images: list, prompts: list[str]) -> dict:
 
 
 def provenance(cfg) -> dict:
-    import importlib.metadata as md
-    import subprocess
-
-    def version(name: str) -> str | None:
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
     from sdpipe.doctor import gpu_facts
+    from sdpipe.provenance import git_state, package_versions
 
-    return {"git_commit": commit or "unknown", "git_dirty": dirty, "gpu": gpu_facts(),
-            "packages": {n: version(n) for n in ("sdpipe", "torch", "diffusers", "transformers", "accelerate", "peft",
-                                                 "open-clip-torch", "torch-fidelity", "snakemake", "dvc")},
+    commit, dirty = git_state()
+    return {"git_commit": commit, "git_dirty": dirty, "gpu": gpu_facts(), "packages": package_versions(),
             "seeds": {"seed": cfg.seed, "evaluate.seeds": list(cfg.evaluate.seeds)}}
 
 

@@ -128,7 +128,15 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     seconds = time.perf_counter() - start
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
-    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds)
+    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds,
+                   _steady_rate(results))
+
+
+def _steady_rate(results: list[dict]) -> float | None:
+    """Images/s once every worker has its model loaded (and compiled) and its first batch written: what a large
+    dataset sees. The whole-stage images_per_s includes start-up."""
+    rates = [r["steady"]["images"] / r["steady"]["seconds"] for r in results if r["steady"]["seconds"] > 0]
+    return round(sum(rates), 3) if rates else None
 
 
 def _worker_settings(cfg, root: Path, processes: int) -> dict:
@@ -136,10 +144,10 @@ def _worker_settings(cfg, root: Path, processes: int) -> dict:
     return {"pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
             "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
             "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text"),
-            "loader_threads": threads}
+            "loader_threads": threads, "compile": cfg.latents.compile}
 
 
-def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) -> dict:
+def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, steady) -> dict:
     bad_paths = {f["path"] for f in failed}
     present = lambda it: (it["latent_key"] in wheres["image"] and it["text_key"] in wheres["text"]
                           and (it["flip_key"] is None or it["flip_key"] in wheres["image"]))
@@ -154,6 +162,7 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds) 
         "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),
         "devices": devices, "seconds": round(seconds, 3),
         "images_per_s": round(encoded / seconds, 3) if encoded and seconds > 0 else None,
+        "images_per_s_after_warmup": steady,
         "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
     }
     kept_text = {it["text_key"] for it in kept}

@@ -18,7 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sdpipe import io
-from sdpipe.report import figures, render, sections, sources
 
 log = logging.getLogger(__name__)
 INPUTS = {
@@ -47,8 +46,10 @@ def generated_at() -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def build(cfg, src: sources.Sources, assets: Path) -> list:
+def build(cfg, src, assets: Path) -> list:
     """All sections, in reading order; figures are written into `assets` on the way."""
+    from sdpipe.report import figures, sections
+
     return [sections.provenance(src, cfg, generated_at()), figures.training(src, assets),
             figures.throughput(src, assets), figures.samples(src, cfg, assets), sections.metrics(src),
             sections.data(src), sections.export(src)]
@@ -61,6 +62,9 @@ def _link(assets: Path, document: Path) -> str:
 
 
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+    # Imported here: jinja2 and matplotlib stay out of every other `sdpipe` command's start-up.
+    from sdpipe.report import render, sources
+
     src = sources.load(inputs)
     html_path, md_path, assets = (Path(outputs[k]) for k in ("html", "markdown", "assets"))
     # Assets are built in a temporary folder that replaces the old one only when all of them were written, so an

@@ -171,17 +171,12 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> t
     The loss is scaled so that DDP's average over ranks, summed over the accumulated micro-steps, is the mean over
     all `step_samples` samples of the optimizer step: shares may be smaller (or empty) at a bucket's tail.
     """
-    cfg, acc, t = run.cfg, run.accelerator, run.cfg.train
+    acc, t = run.accelerator, run.cfg.train
     weight = 1.0
     if not indices:  # DDP needs every rank in the backward: reuse a sample with zero weight
         indices, weight = [0], 0.0
-    gens = [objective.sample_generator(cfg.seed, epoch, i) for i in indices]
     start = time.perf_counter()
-    flips = [bool(torch.rand((1,), generator=g) < 0.5) for g in gens]
-    shape = run.data.latent_shape(indices[0])
-    draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, t)
-    batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
-    batch, draws = _to_device(batch, acc.device), _to_device(draws, acc.device)
+    batch, draws = load_batch(run, indices, epoch)
     run.telemetry.data_time(time.perf_counter() - start)
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
@@ -190,6 +185,18 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> t
                                      run.prediction_type, acc.autocast) * batch["weight"]
     acc.backward(losses.sum() * weight * acc.num_processes / step_samples)
     return losses.detach().sum() * weight
+
+
+def load_batch(run: Run, indices: list[int], epoch: int) -> tuple[dict, dict]:
+    """The cached latents and text states of `indices` and their random draws (noise, timesteps, caption
+    dropout, flips), on the device: all the data one micro-step reads. `sdpipe bench` times this very function."""
+    gens = [objective.sample_generator(run.cfg.seed, epoch, i) for i in indices]
+    flips = [bool(torch.rand((1,), generator=g) < 0.5) for g in gens]
+    shape = run.data.latent_shape(indices[0])
+    draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, run.cfg.train)
+    batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
+    device = run.accelerator.device
+    return _to_device(batch, device), _to_device(draws, device)
 
 
 def _to_device(tensors: dict, device) -> dict:

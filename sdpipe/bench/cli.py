@@ -1,0 +1,115 @@
+"""`sdpipe bench`: the speed of sdpipe's training step, latent caching and data loader on this machine's first
+GPU, against the plain diffusers-example loop measured in the same run. Prints a Markdown table last and writes it,
+with a JSON twin, under --out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("sdpipe.bench")
+PRESETS = {  # resolution, default per-GPU batch, JPEGs to cache
+    "sd15": (512, 32, 2000), "sdxl": (1024, 8, 256), "tiny": (32, 8, 64)}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="sd15 (default), sdxl; repeatable")
+    p.add_argument("--batch", type=int, action="append", help="per-GPU batch; repeatable (default: the preset's)")
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per row (after --warmup)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compiling happens here)")
+    p.add_argument("--images", type=int, help="JPEGs to cache (default: 2000 for sd15, 256 for sdxl)")
+    p.add_argument("--skip", action="append", default=[], choices=["baseline", "parity", "latents", "loader", "train"])
+    p.add_argument("--compile", action="append", choices=["auto", "eager"],
+                   help="train.compile for the sdpipe rows (default: auto); repeatable")
+    p.add_argument("--work", default="/tmp/sdpipe-bench", help="scratch: images, caches, runs")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", help="results file stem (default: bench-<presets>)")
+    p.add_argument("--commit", help="the code's git commit, when the tree has no .git (default: git rev-parse)")
+
+
+def matmul_peak(device, n: int = 8192, reps: int = 20) -> float | None:
+    """bf16 dense matmul TFLOP/s measured now: the MFU denominator."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def _latent_variants(skip: list[str]) -> list[tuple[str, str]]:
+    """Latent caching eager and as the stage runs by default; the default's cache also feeds train and loader."""
+    if "latents" not in skip:
+        return [("eager", "eager"), ("sdpipe default (compile auto)", "auto")]
+    return [] if {"train", "loader"} <= set(skip) else [("sdpipe default (compile auto)", "auto")]
+
+
+def bench_preset(args, preset: str, device, work: Path) -> dict:
+    from sdpipe.bench import baseline, parity, pipeline
+
+    resolution, default_batch, default_images = PRESETS[preset]
+    batches = args.batch or [default_batch]
+    model = work / preset
+    if not (model / "model_index.json").is_file():
+        pipeline.sdpipe("build-model", "--preset", preset, "--out", str(model))
+    out: dict = {"resolution": resolution, "rows": [], "latents": []}
+    for name, mode in _latent_variants(args.skip):
+        raw = pipeline.write_jpegs(work / f"jpeg-{resolution}", args.images or default_images, resolution)
+        log.info("bench %s: latent caching, %s", preset, name)
+        settings = {"dtype": "bf16", "batch_size": 32, "loader_threads": 0, "compile": mode,
+                    "gpus": 1 if device.type == "cuda" else 0}
+        out["latents"].append({"name": name, **pipeline.cache_latents(work, f"{preset}-{mode}", model, raw,
+                                                                     resolution, settings)})
+    cache = out["latents"][-1] if out["latents"] else None
+    if "baseline" not in args.skip:
+        for batch in batches:
+            log.info("bench %s: baseline, batch %d", preset, batch)
+            out["rows"].append(baseline.measure(preset, resolution, batch, args.steps, args.warmup, device))
+    if "train" not in args.skip:
+        for mode in args.compile or ["auto"]:
+            for batch in batches:
+                log.info("bench %s: sdpipe train, compile %s, batch %d", preset, mode, batch)
+                row = pipeline.train_row(work, cache, f"{preset}-{mode}-{batch}", batch, args.steps + args.warmup,
+                                         args.warmup, {"compile": mode})
+                label = "torch.compile" if mode == "auto" and device.type == "cuda" else "eager"
+                out["rows"].append({"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe",
+                                    **row})
+    if "loader" not in args.skip:
+        batch = max(batches)
+        cfg = pipeline.train_config(work, cache["config"], f"{preset}-loader", batch, 1, 1, {})
+        out["loader"] = {"batch": batch, **pipeline.loader_rate(cfg, cache["index"], 50)}
+    if "parity" not in args.skip:
+        log.info("bench %s: parity check", preset)
+        out["parity"] = parity.check(preset, resolution, str(model), device)
+    return out
+
+
+def run(args) -> int:
+    import torch
+
+    from sdpipe.bench import report
+
+    logging.getLogger("sdpipe").setLevel(logging.INFO)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        log.warning("no CUDA GPU: the numbers are a CPU smoke run, not a GPU benchmark")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    presets = args.preset or ["sd15"]
+    meta = {**report.provenance(args.commit), "steps": args.steps, "warmup": args.warmup,
+            "peak_tflops": matmul_peak(device), "presets": presets}
+    stem = args.name or "bench-" + "-".join(presets)
+    results = {"meta": meta, "presets": {}}
+    for preset in presets:
+        results["presets"][preset] = bench_preset(args, preset, device, work)
+        report.save_partial(results, Path(args.out), stem)  # a later preset's failure keeps this one's numbers
+    print(report.write(results, Path(args.out), stem))
+    return 0

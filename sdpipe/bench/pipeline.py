@@ -1,0 +1,111 @@
+"""The project's own stages, timed as users run them: `sdpipe latents` on JPEG files, `sdpipe train` on their
+latent cache, and the training data loader (`loop.load_batch`) alone."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+def sdpipe(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "sdpipe", *args], check=True)
+
+
+def write_jpegs(out: Path, count: int, size: int, seed: int = 0) -> Path:
+    """`count` photo-like JPEGs (smooth colour fields, shapes, sensor noise; quality 90) of size x size px: the
+    decode cost of real photos at that size, unlike the demo's tiny images."""
+    from PIL import Image, ImageDraw
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    def one(i: int) -> None:
+        path = out / f"img{i:05d}.jpg"
+        if path.exists():
+            return
+        rng = np.random.default_rng(seed + i)
+        yy, xx = np.mgrid[0:size, 0:size] / size
+        base = np.stack([rng.uniform(40, 215) + rng.uniform(-60, 60) * (xx * rng.uniform(-1, 1) + yy * rng.uniform(-1, 1))
+                         for _ in range(3)], axis=-1)
+        img = Image.fromarray(np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(img)
+        for _ in range(6):
+            x, y, r = rng.integers(0, size, 2).tolist() + [int(rng.integers(size // 16, size // 4))]
+            draw.ellipse([x - r, y - r, x + r, y + r], fill=tuple(rng.integers(0, 256, 3).tolist()))
+        tmp = path.with_suffix(".tmp")
+        img.save(tmp, format="JPEG", quality=90)
+        tmp.rename(path)
+
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(one, range(count)))
+    return out
+
+
+def stage_config(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> Path:
+    cfg = {"cache_dir": str(work / f"cache-{name}"), "data": {"raw_dir": str(raw)}, "model": {"pretrained": str(model)},
+           "prepare": {"min_size": 32, "eval_fraction": 0.0, "buckets": {"resolution": resolution, "step": min(64, resolution // 4)}},
+           "caption": {"chain": ["template"], "gpus": 0}, "latents": latents}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> dict:
+    """prepare -> caption -> latents on an empty cache; the latents stage's own summary."""
+    import shutil
+
+    cfg = stage_config(work, name, model, raw, resolution, latents)
+    out = work / f"out-{name}"
+    shutil.rmtree(work / f"cache-{name}", ignore_errors=True)
+    common = ["--config", str(cfg), "--manifest", str(out / "manifest.jsonl")]
+    sdpipe("prepare", *common, "--rejected", str(out / "rejected.jsonl"), "--summary", str(out / "prepare.json"))
+    sdpipe("caption", *common, "--captions", str(out / "captions.jsonl"), "--summary", str(out / "captions.json"))
+    sdpipe("latents", *common, "--captions", str(out / "captions.jsonl"), "--index", str(out / "index.json"),
+           "--summary", str(out / "latents.json"))
+    return {**json.loads((out / "latents.json").read_text()), "index": str(out / "index.json"), "config": str(cfg)}
+
+
+def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict) -> Path:
+    cfg = yaml.safe_load(Path(stage_cfg).read_text())
+    cfg["train"] = {"mode": "full", "mixed_precision": "bf16", "per_device_batch_size": batch, "max_steps": steps,
+                    "log_every": log_every, "lr_warmup_steps": 0, "checkpoint_every": 0, "resume": None,
+                    "num_processes": 1, "validation": {"every": 0}, **extra}
+    path = work / f"train-{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_every: int, extra: dict) -> dict:
+    """`sdpipe train` (what the Snakemake rule runs) for `steps` optimizer steps; samples/s of the last logged
+    window, warm-up = the first window's time beyond what a steady window takes."""
+    import shutil
+    import time
+
+    cfg = train_config(work, cache["config"], name, batch, steps, log_every, extra)
+    out = work / f"train-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    sdpipe("train", "--config", str(cfg), "--index", cache["index"], "--out", str(out),
+           "--summary", str(out / "summary.json"))
+    wall = time.perf_counter() - start
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    last, first = rows[-1], rows[0]
+    rate = float(last["samples_per_s"])
+    window = log_every * batch
+    return {"samples_per_s": rate, "warmup_s": window / float(first["samples_per_s"]) - window / rate,
+            "stage_wall_s": wall, "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"]
+            else None, "data_wait": float(last["data_wait"]), "batch": batch, "final_loss": float(last["loss"])}
+
+
+def loader_rate(train_cfg: Path, index: str, batches: int) -> dict:
+    """Samples/s `loop.load_batch` delivers to the device (in a child process: it builds its own accelerator)."""
+    proc = subprocess.run([sys.executable, "-m", "sdpipe.bench.loader", str(train_cfg), index, str(batches)],
+                          check=True, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,64 @@
+"""`sdpipe bench`'s own logic on the CPU: the parity check (the optimised step against the diffusers-example
+step) and the report's targets. The GPU run itself is tests/test_gpu.py's and benchmarks/'s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdpipe.bench import parity, report
+
+
+def test_parity_of_the_sdpipe_step_with_the_baseline(tiny_model):
+    result = parity.check("tiny", 32, str(tiny_model), "cpu", batch=2, steps=2)
+    assert result["passed"], result
+    # On a CPU both steps run eager with the same kernels: the losses agree far below bf16 tolerance.
+    assert result["loss_max_rel_diff"]["sdpipe"] < 1e-5
+    assert result["weight_deviation"]["sdpipe"] < result["weight_deviation"]["fp32"]
+    assert len(result["losses"]["baseline"]) == 2
+
+
+def test_parity_fails_a_step_that_computes_something_else():
+    base = {"w": parity_tensor([1.0, 1.0])}
+    runs = {"baseline": [1.0, 0.9], "sdpipe": [1.0, 0.85], "fp32": [1.0, 0.9]}
+    weights = {"baseline": {"w": parity_tensor([2.0, 2.0])}, "sdpipe": {"w": parity_tensor([2.0, 2.0])},
+               "fp32": {"w": parity_tensor([2.0, 2.01])}}
+    assert not parity.verdict(runs, weights, base, 2, 2, 1e-4)["passed"]  # a 5.6 % loss difference
+    runs["sdpipe"] = [1.0, 0.9]
+    weights["sdpipe"] = {"w": parity_tensor([2.5, 2.0])}  # 50x further from the baseline than fp32
+    assert not parity.verdict(runs, weights, base, 2, 2, 1e-4)["passed"]
+    weights["sdpipe"] = {"w": parity_tensor([2.0, 2.01])}
+    assert parity.verdict(runs, weights, base, 2, 2, 1e-4)["passed"]
+
+
+def parity_tensor(values):
+    import torch
+
+    return torch.tensor(values)
+
+
+def _results(sdpipe_rate: float, latent_rate: float) -> dict:
+    meta = {"gpu": {"name": "GPU X", "driver": "1"}, "packages": {"torch": "2", "diffusers": "0"},
+            "git_commit": "abc", "steps": 30, "warmup": 10, "peak_tflops": 800.0}
+    rows = [{"name": "baseline", "kind": "baseline", "batch": 32, "samples_per_s": 100.0, "warmup_s": 1.0,
+             "peak_memory_gib": 40.0, "gflops_per_sample": 2500.0},
+            {"name": "sdpipe", "kind": "sdpipe", "batch": 32, "samples_per_s": sdpipe_rate, "warmup_s": 100.0,
+             "peak_memory_gib": 30.0}]
+    latents = [{"name": "default", "encoded": 2000, "images_per_s": 200.0, "images_per_s_after_warmup": latent_rate,
+                "seconds": 10.0}]
+    return {"meta": meta, "presets": {"sd15": {"resolution": 512, "rows": rows, "latents": latents,
+                                               "loader": {"batch": 32, "samples_per_s": 1000.0}}}}
+
+
+@pytest.mark.parametrize("rate, latent_rate, met", [(150.0, 300.0, False), (170.0, 450.0, True)])
+def test_report_states_each_target_and_ratio(tmp_path, rate, latent_rate, met):
+    table = report.write(_results(rate, latent_rate), tmp_path, "bench-test")
+    saved = json.loads((tmp_path / "bench-test.json").read_text())["presets"]["sd15"]
+    assert saved["target"] == {"samples_per_s": 160.0, "best": rate, "met": met}
+    assert saved["latent_target"]["met"] is met
+    sdpipe_row = saved["rows"][1]
+    assert sdpipe_row["vs_baseline"] == pytest.approx(rate / 100.0)
+    assert sdpipe_row["mfu"] == pytest.approx(rate * 2500.0 / 1e3 / 800.0)
+    assert saved["loader"]["ratio"] == pytest.approx(1000.0 / rate)
+    assert ("not met" in table) is not met and (tmp_path / "bench-test.md").read_text() == table
