@@ -45,6 +45,13 @@ def matmul_peak(device, n: int = 8192, reps: int = 20) -> float | None:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
+def _show(result: dict) -> None:
+    """Each number as soon as it is measured: a run cut short still leaves them in its log."""
+    import json
+
+    log.info("bench result: %s", json.dumps(result, default=str))
+
+
 def _latent_variants(skip: list[str]) -> list[tuple[str, str]]:
     """Latent caching eager and as the stage runs by default; the default's cache also feeds train and loader."""
     if "latents" not in skip:
@@ -68,11 +75,13 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
                     "gpus": 1 if device.type == "cuda" else 0}
         out["latents"].append({"name": name, **pipeline.cache_latents(work, f"{preset}-{mode}", model, raw,
                                                                      resolution, settings)})
+        _show(out["latents"][-1])
     cache = out["latents"][-1] if out["latents"] else None
     if "baseline" not in args.skip:
         for batch in batches:
             log.info("bench %s: baseline, batch %d", preset, batch)
             out["rows"].append(baseline.measure(preset, resolution, batch, args.steps, args.warmup, device))
+            _show(out["rows"][-1])
     if "train" not in args.skip:
         for mode in args.compile or ["auto"]:
             for batch in batches:
@@ -82,13 +91,16 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
                 label = "torch.compile" if mode == "auto" and device.type == "cuda" else "eager"
                 out["rows"].append({"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe",
                                     **row})
+                _show(out["rows"][-1])
     if "loader" not in args.skip:
         batch = max(batches)
         cfg = pipeline.train_config(work, cache["config"], f"{preset}-loader", batch, 1, 1, {})
         out["loader"] = {"batch": batch, **pipeline.loader_rate(cfg, cache["index"], 50)}
+        _show(out["loader"])
     if "parity" not in args.skip:
         log.info("bench %s: parity check", preset)
         out["parity"] = parity.check(preset, resolution, str(model), device)
+        _show(out["parity"])
     return out
 
 

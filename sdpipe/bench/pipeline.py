@@ -57,16 +57,19 @@ def stage_config(work: Path, name: str, model: Path, raw: Path, resolution: int,
 
 
 def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> dict:
-    """prepare -> caption -> latents on an empty cache; the latents stage's own summary."""
+    """prepare -> caption (once per image set) -> latents on an empty cache; the latents stage's own summary."""
     import shutil
 
     cfg = stage_config(work, name, model, raw, resolution, latents)
-    out = work / f"out-{name}"
+    out, upstream = work / f"out-{name}", work / f"upstream-{raw.name}"
     shutil.rmtree(work / f"cache-{name}", ignore_errors=True)
-    common = ["--config", str(cfg), "--manifest", str(out / "manifest.jsonl")]
-    sdpipe("prepare", *common, "--rejected", str(out / "rejected.jsonl"), "--summary", str(out / "prepare.json"))
-    sdpipe("caption", *common, "--captions", str(out / "captions.jsonl"), "--summary", str(out / "captions.json"))
-    sdpipe("latents", *common, "--captions", str(out / "captions.jsonl"), "--index", str(out / "index.json"),
+    manifest, captions = upstream / "manifest.jsonl", upstream / "captions.jsonl"
+    common = ["--config", str(cfg), "--manifest", str(manifest)]
+    if not captions.is_file():
+        sdpipe("prepare", *common, "--rejected", str(upstream / "rejected.jsonl"), "--summary",
+               str(upstream / "prepare.json"))
+        sdpipe("caption", *common, "--captions", str(captions), "--summary", str(upstream / "captions.json"))
+    sdpipe("latents", *common, "--captions", str(captions), "--index", str(out / "index.json"),
            "--summary", str(out / "latents.json"))
     return {**json.loads((out / "latents.json").read_text()), "index": str(out / "index.json"), "config": str(cfg)}
 

@@ -98,16 +98,23 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-def _encoder(vae, device: str, mode: str):
+def _encoder(vae, device: str, mode: str, batch_size: int):
     """pixels -> posterior means. `latents.compile: auto` compiles the encoder, channels-last, on a GPU (SD 1.5's
-    at 512 px on an H200: 1.75x eager, benchmarks/NOTES.md); a CPU runs it eager. A second batch shape (another
-    bucket, a short last batch) recompiles once with dynamic shapes."""
+    at 512 px on an H200: 1.75x eager, benchmarks/NOTES.md); a CPU runs it eager. A short batch (a bucket's
+    tail) is padded to the full batch size, so only a new bucket shape compiles again."""
     import torch
 
     if mode == "eager" or (mode == "auto" and not device.startswith("cuda")):
         return lambda x: vae.encode(x).latent_dist.mean
     vae.encoder = torch.compile(vae.encoder.to(memory_format=torch.channels_last))
-    return lambda x: vae.encode(x.contiguous(memory_format=torch.channels_last)).latent_dist.mean
+
+    def encode(x):
+        n = len(x)
+        if n < batch_size:
+            x = torch.cat([x, x[-1:].expand(batch_size - n, *x.shape[1:])])
+        return vae.encode(x.contiguous(memory_format=torch.channels_last)).latent_dist.mean[:n]
+
+    return encode
 
 
 def _to_host(t):
@@ -155,7 +162,7 @@ def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tup
     import torch
 
     vae, compute = _load_vae(device, settings)
-    encode = _encoder(vae, device, settings.get("compile", "auto"))
+    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"])
     store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
     pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):
