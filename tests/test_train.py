@@ -184,6 +184,29 @@ def test_checkpoint_every_zero_saves_only_the_final_model(tmp_path, cache):
     assert [int(r["step"]) for r in metrics(tmp_path / "nockpt")] == [1, 2, 3]
 
 
+def test_padding_a_short_batch_leaves_its_loss_and_gradients_unchanged(tmp_path, cache):
+    """A compiled step pads short batches to one shape; the padding must not change what is learned."""
+    from types import SimpleNamespace
+
+    from sdpipe.train import loop
+
+    index, raw_cfg = cache
+    run = loop.build(config.from_dict({**raw_cfg, "train": {**TRAIN, "num_processes": 1}}), index, tmp_path / "pad")
+    loop.resume(run)
+    run.telemetry = SimpleNamespace(data_time=lambda seconds: None)
+    short = run.sampler.remaining(run.state)[0][:3]  # a global batch holds one bucket
+    results = []
+    for pad_to in (0, 4):
+        run.pad_to = pad_to
+        run.unet.zero_grad(set_to_none=True)
+        loss = loop.micro_step(run, short, 3, 0)
+        results.append((float(loss), [p.grad.clone() for p in run.params()]))
+    (plain, plain_grads), (padded, padded_grads) = results
+    assert padded == pytest.approx(plain, rel=1e-6)
+    for a, b in zip(plain_grads, padded_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_source):
     """The SDXL path: two text encoders (hidden 64+96), pooled embeddings and per-image size/crop time ids."""
     from sdpipe.models import presets

@@ -65,7 +65,8 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
     resolution, default_batch, default_images = PRESETS[preset]
     batches = args.batch or [default_batch]
     model = work / preset
-    if not (model / "model_index.json").is_file():
+    needs_model = not {"latents", "train", "loader"} <= set(args.skip)  # baseline and parity build their own UNet
+    if needs_model and not (model / "model_index.json").is_file():
         pipeline.sdpipe("build-model", "--preset", preset, "--out", str(model))
     out: dict = {"resolution": resolution, "rows": [], "latents": []}
     for name, mode in _latent_variants(args.skip):

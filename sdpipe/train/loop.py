@@ -53,6 +53,7 @@ class Run:
     advance_bar: object = None
     text: object = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
     forward: object = None  # what the training step calls: the (wrapped) UNet, torch.compile'd on GPUs by default
+    pad_to: int = 0  # a compiled step pads short batches to this size (zero loss weight): one shape, no recompile
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
@@ -129,9 +130,10 @@ def build(cfg, index: Path, out: Path) -> Run:
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
+    forward = training_forward(cfg, unet, accelerator.device)
     return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
                ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text,
-               forward=training_forward(cfg, unet, accelerator.device))
+               forward=forward, pad_to=t.per_device_batch_size if forward is not unet else 0)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -175,8 +177,14 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> t
     weight = 1.0
     if not indices:  # DDP needs every rank in the backward: reuse a sample with zero weight
         indices, weight = [0], 0.0
+    real = len(indices)
+    # A compiled step keeps one batch shape: a bucket's short tail batch would otherwise recompile the UNet with
+    # dynamic shapes, minutes on a GPU. The padding repeats a sample with zero loss weight, and a UNet has no
+    # cross-sample layer (GroupNorm, attention within a sample), so the real samples' gradients are unchanged.
+    indices = indices + [indices[0]] * max(0, run.pad_to - real)
     start = time.perf_counter()
     batch, draws = load_batch(run, indices, epoch)
+    batch["weight"][real:] = 0.0
     run.telemetry.data_time(time.perf_counter() - start)
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
