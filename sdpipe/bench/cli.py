@@ -53,10 +53,11 @@ def _show(result: dict) -> None:
 
 
 def _latent_variants(skip: list[str]) -> list[tuple[str, str]]:
-    """Latent caching eager and as the stage runs by default; the default's cache also feeds train and loader."""
+    """Latent caching eager and compiled (latents.compile: auto picks by dataset size); the compiled run's cache
+    also feeds train and loader."""
     if "latents" not in skip:
-        return [("eager", "eager"), ("sdpipe default (compile auto)", "auto")]
-    return [] if {"train", "loader"} <= set(skip) else [("sdpipe default (compile auto)", "auto")]
+        return [("eager", "eager"), ("torch.compile", "compiled")]
+    return [] if {"train", "loader"} <= set(skip) else [("torch.compile", "compiled")]
 
 
 def bench_preset(args, preset: str, device, work: Path) -> dict:

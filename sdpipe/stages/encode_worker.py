@@ -98,13 +98,19 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-def _encoder(vae, device: str, mode: str, batch_size: int):
-    """pixels -> posterior means. `latents.compile: auto` compiles the encoder, channels-last, on a GPU (SD 1.5's
-    at 512 px on an H200: 1.75x eager, benchmarks/NOTES.md); a CPU runs it eager. A short batch (a bucket's
-    tail) is padded to the full batch size, so only a new bucket shape compiles again."""
+# On an H200 compiling SD 1.5's encoder cost about 17 s and then encoded 307 images/s against eager's 182
+# (benchmarks/results/bench-sd15.md): it pays from about 7,500 images per process on.
+COMPILE_MIN_IMAGES = 8000
+
+
+def _encoder(vae, device: str, mode: str, batch_size: int, images: int):
+    """pixels -> posterior means. `latents.compile: auto` compiles the encoder, channels-last, when a GPU has
+    enough images to encode for the compile time to pay; a CPU always runs eager. A short batch (a bucket's tail)
+    is padded to the full batch size, so only a new bucket shape compiles again."""
     import torch
 
-    if mode == "eager" or (mode == "auto" and not device.startswith("cuda")):
+    worth_it = device.startswith("cuda") and images >= COMPILE_MIN_IMAGES
+    if mode == "eager" or (mode == "auto" and not worth_it):
         return lambda x: vae.encode(x).latent_dist.mean
     vae.encoder = torch.compile(vae.encoder.to(memory_format=torch.channels_last))
 
@@ -162,7 +168,7 @@ def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tup
     import torch
 
     vae, compute = _load_vae(device, settings)
-    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"])
+    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"], len(jobs))
     store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
     pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):
