@@ -6,14 +6,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup demo test lint clean-results
+.PHONY: setup demo test lint clean-results constraints
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' -c requirements/constraints.txt
 	touch $@
+
+# Pin today's versions of everything but torch/torchvision/CUDA wheels (CI and the Docker image install with them).
+constraints: setup
+	{ sed -n '1,2p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable \
+	  | grep -v -i -E '^(torch|torchvision|triton)==|^(nvidia-|cuda-)'; } > requirements/constraints.txt.new
+	mv requirements/constraints.txt.new requirements/constraints.txt
 
 demo: setup
 	sdpipe demo --out data/raw

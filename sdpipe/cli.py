@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(handler=_cmd_bench)
 
+    p = sub.add_parser("pod", help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
+                                   "volume, run snakemake --profile runpod")
+    from sdpipe import pod
+
+    pod.add_arguments(p)
+    p.set_defaults(handler=pod.run)
+
     p = sub.add_parser("check-config", help="validate a config file and exit")
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_check_config)
