@@ -93,8 +93,19 @@ def test_profiles_parse(tmp_path, demo_source):
     proj = make_project(tmp_path / "p", demo_source)
     runpod = run(["snakemake", "--profile", "runpod", "-n"], proj)
     assert "latents" in runpod.stdout
-    slurm = run(["snakemake", "--profile", "profiles/slurm", "-n"], proj)
+    slurm = run(["snakemake", "--profile", "profiles/slurm", "-n", "-p"], proj)
     assert "latents" in slurm.stdout
+    # Training: one 2-node allocation; srun starts one `sdpipe train` per node, which resolves "auto" there.
+    train_job = slurm.stdout[slurm.stdout.index("rule train:"):].split("\n\n")[0]
+    assert "nodes=2, tasks=2, tasks_per_gpu=0, gres=gpu:8" in train_job
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 sdpipe train" in train_job
+    assert "--set train.num_processes=auto" in train_job
+    # Kubernetes keeps data in a storage provider (S3 in the profile); a local folder stands in for the bucket,
+    # holding the raw images as a user's upload would.
+    shutil.copytree(proj / "data" / "raw", tmp_path / "bucket" / "data" / "raw")
+    k8s = run(["snakemake", "--profile", "profiles/kubernetes", "-n", "--default-storage-provider", "fs",
+               "--default-storage-prefix", str(tmp_path / "bucket")], proj)
+    assert "rule train:" in k8s.stdout and "gpu=8" in k8s.stdout
 
 
 def test_changing_only_training_settings_reruns_only_training(project):

@@ -23,11 +23,18 @@ INPUTS = {"index": "results/latents/index.json"}
 OUTPUTS = {"summary": "results/train/summary.json", "out": "results/train"}
 
 
+def topology(cfg):
+    from sdpipe.cluster import topology as from_env
+
+    return from_env(cfg.train.multi_node, dict(os.environ))
+
+
 def num_processes(cfg) -> int:
+    """train.num_processes, or "auto": every visible GPU (1 on a CPU) on each of the job's machines."""
     from sdpipe.parallel import detect_gpu_count
 
     n = cfg.train.num_processes
-    return max(1, detect_gpu_count()) if n == "auto" else int(n)
+    return max(1, detect_gpu_count()) * topology(cfg).num_machines if n == "auto" else int(n)
 
 
 def preflight(cfg, index: Path, out: Path, world: int) -> None:
@@ -59,7 +66,7 @@ def _check_topology(cfg, world: int) -> None:
     """Process counts that accelerate would only reject (or hang on) after launch."""
     from sdpipe.parallel import detect_gpu_count
 
-    mn, gpus = cfg.train.multi_node, detect_gpu_count()
+    mn, gpus = topology(cfg), detect_gpu_count()
     if mn.machine_rank >= mn.num_machines:
         raise UserError(f"train.multi_node.machine_rank = {mn.machine_rank} must be below num_machines = "
                         f"{mn.num_machines}")
@@ -107,7 +114,7 @@ def _check_text_lora_targets(cfg) -> None:
 
 
 def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
-    mn = cfg.train.multi_node
+    mn = topology(cfg)
     loop = ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
             "--summary", str(summary)]
     if world == 1 and mn.num_machines == 1:

@@ -34,16 +34,19 @@ def gpus_for(section):
 
 
 def train_processes():
-    """Training processes: train.num_processes, or every GPU the limit allows ("auto"; 1 on a CPU)."""
+    """Training processes: train.num_processes, or every GPU the limit allows ("auto"). Where this machine sees no
+    GPU (a CPU, or a cluster's login node), "auto" is left for `sdpipe train` to resolve where the job runs."""
     wanted = CFG["train"]["num_processes"]
     if wanted == "auto":
-        return max(1, min(detect_gpu_count(), GPU_LIMIT))
+        gpus = min(detect_gpu_count(), GPU_LIMIT)
+        return gpus if gpus else "auto"
     return int(wanted)
 
 
 def train_gpus():
-    """GPUs held for training (one per process), none on a CPU-only machine."""
-    return min(train_processes(), GPU_LIMIT)
+    """GPUs held for training (one per process), none where none is visible."""
+    procs = train_processes()
+    return 0 if procs == "auto" else min(procs, GPU_LIMIT)
 
 
 MODEL = CFG["model"]["pretrained"]

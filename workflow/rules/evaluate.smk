@@ -74,7 +74,7 @@ rule evaluate:
 
 rule report:
     input:
-        resolved_config=RESOLVED_CONFIG,
+        resolved_config=local(RESOLVED_CONFIG),  # written by every parse of the Snakefile, also in a remote job
         prepare=rules.prepare.output.summary,
         captions=rules.caption.output.summary,
         latents=rules.latents.output.summary,

@@ -20,11 +20,13 @@ rule train:
         config=RESOLVED_CONFIG,
         out=lambda wildcards, output: str(Path(output.summary).parent),
         procs=train_processes(),
+        # On a cluster, profiles/slurm sets the `mpi` resource to an srun that starts one `sdpipe train` per node.
+        launcher=lambda wildcards, resources: getattr(resources, "mpi", ""),
         model=USE_MODEL,
         settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"],
                   "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"]},
     resources:
         gpu=train_gpus(),
     shell:
-        "sdpipe train --config {params.config} {params.model} --set train.num_processes={params.procs} "
+        "{params.launcher} sdpipe train --config {params.config} {params.model} --set train.num_processes={params.procs} "
         "--index {input.index} --out {params.out} --summary {output.summary} > {log} 2>&1"
