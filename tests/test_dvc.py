@@ -64,3 +64,21 @@ def test_dvc_repro_is_incremental(tmp_path, demo_source):
     assert summary(proj, "vae")["images"] == 40 and lat["encoded"] == 40
     trained = summary(proj, "train")
     assert trained["samples_this_run"] == trained["samples_seen"] > 0, "new data trains afresh, not resumed"
+
+
+def test_a_local_directory_remote_carries_data_between_machines(tmp_path, demo_source):
+    """What an S3 or SSH remote does between a pod and a laptop, with a local folder as the remote."""
+    a = make_project(tmp_path / "a", demo_source)
+    git = ["git", "-c", "user.name=sdpipe", "-c", "user.email=sdpipe@example.invalid"]
+    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"],
+                [DVC, "remote", "add", "-d", "shared", str(tmp_path / "remote")],
+                git + ["add", "-A"], git + ["commit", "-q", "-m", "data"], [DVC, "push", "-q"]):
+        run(cmd, a)
+    b = tmp_path / "b"
+    run(["git", "clone", "-q", str(a), str(b)], tmp_path)
+    assert not (b / "data" / "raw").exists()
+    run([DVC, "pull", "-q", "data/raw.dvc"], b)  # only the data: this repo has run no pipeline stage yet
+    files = sorted(p.relative_to(a / "data" / "raw") for p in (a / "data" / "raw").rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(b / "data" / "raw") for p in (b / "data" / "raw").rglob("*")
+                                     if p.is_file())
+    assert all((a / "data" / "raw" / f).read_bytes() == (b / "data" / "raw" / f).read_bytes() for f in files)
