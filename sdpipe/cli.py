@@ -27,6 +27,7 @@ STAGES = {
     "benchmark": "sdpipe.stages.benchmark",
     "report": "sdpipe.stages.report",
 }
+TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "pod", "runpod", "check-config")
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -95,11 +96,19 @@ def _cmd_check_config(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _stages_for(command: str | None) -> dict:
+    if command in STAGES:
+        return {command: STAGES[command]}
+    return {} if command in TOOLS else STAGES  # no command or a wrong one: all, for the help and the error
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; for a known `command`, stage modules other than its own are not imported (they pull in torch
+    and diffusers, seconds of start-up for every `sdpipe` call)."""
     parser = argparse.ArgumentParser(prog="sdpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_name in STAGES.items():
+    for name, module_name in _stages_for(command).items():
         _add_stage(sub, name, module_name)
 
     p = sub.add_parser("demo", help="write the embedded demo dataset (coloured shapes, deterministic, offline)")
@@ -137,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     pod.add_arguments(p)
     p.set_defaults(handler=pod.run)
 
+    p = sub.add_parser("runpod", help="create, watch, sync and stop a Runpod pod running the pipeline")
+    from sdpipe import runpod_api
+
+    runpod_api.add_arguments(p)
+    p.set_defaults(handler=runpod_api.run)
+
     p = sub.add_parser("check-config", help="validate a config file and exit")
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_check_config)
@@ -152,7 +167,9 @@ def _cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from sdpipe.log import setup_logging
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     setup_logging(args.verbose)
     try:
         return args.handler(args)
