@@ -10,8 +10,9 @@ import pytest
 from sdpipe.bench import parity, report
 
 
-def test_parity_of_the_sdpipe_step_with_the_baseline(tiny_model):
-    result = parity.check("tiny", 32, str(tiny_model), "cpu", batch=2, steps=2)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-sdxl"])  # tiny-sdxl: pooled embeddings and time ids too
+def test_parity_of_the_sdpipe_step_with_the_baseline(tiny_model, preset):
+    result = parity.check(preset, 32, str(tiny_model), "cpu", batch=2, steps=2)
     assert result["passed"], result
     # On a CPU both steps run eager with the same kernels: the losses agree far below bf16 tolerance.
     assert result["loss_max_rel_diff"]["sdpipe"] < 1e-5
