@@ -65,10 +65,10 @@ def _latent_table(name: str, res: dict) -> list[str]:
 
 def _loader_lines(name: str, res: dict) -> list[str]:
     loader = res.get("loader")
-    step = max((r["samples_per_s"] for r in res["rows"] if r["kind"] == "sdpipe" and r["batch"] == (loader or {})
-                .get("batch")), default=None)
     if not loader:
         return []
+    step = max((r["samples_per_s"] for r in res["rows"] if r["kind"] == "sdpipe" and r["batch"] == loader["batch"]),
+               default=None)
     ratio = loader["samples_per_s"] / step if step else None
     loader["step_samples_per_s"], loader["ratio"] = step, ratio
     return ["", f"### {name}: training data loader", "",
