@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,8 +60,6 @@ def stage_config(work: Path, name: str, model: Path, raw: Path, resolution: int,
 
 def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> dict:
     """prepare -> caption (once per image set) -> latents on an empty cache; the latents stage's own summary."""
-    import shutil
-
     cfg = stage_config(work, name, model, raw, resolution, latents)
     out, upstream = work / f"out-{name}", work / f"upstream-{raw.name}"
     shutil.rmtree(work / f"cache-{name}", ignore_errors=True)
@@ -87,9 +87,6 @@ def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, 
 def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_every: int, extra: dict) -> dict:
     """`sdpipe train` (what the Snakemake rule runs) for `steps` optimizer steps; samples/s of the last logged
     window, warm-up = the first window's time beyond what a steady window takes."""
-    import shutil
-    import time
-
     cfg = train_config(work, cache["config"], name, batch, steps, log_every, extra)
     out = work / f"train-{name}"
     shutil.rmtree(out, ignore_errors=True)
