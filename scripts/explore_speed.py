@@ -29,11 +29,22 @@ def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> N
                 block.compile(dynamic=False)
 
 
+def set_backends(variant: str) -> None:
+    """Process-wide kernel choices a variant names: cuDNN's conv autotuner and the SDPA attention backend."""
+    parts = variant.split("+")
+    torch.backends.cudnn.benchmark = "bench" in parts
+    attention = {"cudnnattn": "cudnn", "effattn": "efficient"}.get(next((p for p in parts if p.endswith("attn")), ""))
+    torch.backends.cuda.enable_flash_sdp(attention is None)
+    torch.backends.cuda.enable_mem_efficient_sdp(attention in (None, "efficient"))
+    torch.backends.cuda.enable_cudnn_sdp(attention in (None, "cudnn"))
+
+
 def prepare(model, variant: str):
+    set_backends(variant)
     if "cl" in variant.split("+"):
         model = model.to(memory_format=torch.channels_last)
     if "full" in variant.split("+"):
-        model = torch.compile(model, dynamic=False)
+        model = torch.compile(model, dynamic=False, mode="reduce-overhead" if "ro" in variant.split("+") else None)
     if "regional" in variant.split("+"):
         compile_regions(model)
     return model
@@ -64,14 +75,34 @@ def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _time(step, batch, steps)
+    result = _time(step, batch, steps)
+    if "prof" in variant.split("+"):
+        profile(step)
+    return result
 
 
-def vae_case(variant: str, batch: int, steps: int, dtype=torch.bfloat16) -> dict:
+def profile(step, top: int = 25) -> None:
+    """Where a step's GPU time goes: the top kernels of two profiled steps, with their share."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 2e3:8.2f} ms/step  "
+              f"x{e.count // 2:<4} {e.key[:110]}", flush=True)
+
+
+def vae_case(variant: str, batch: int, steps: int) -> dict:
     from diffusers import AutoencoderKL
 
     from sdpipe.models import presets
 
+    dtype = torch.float16 if "fp16" in variant.split("+") else torch.bfloat16
     torch.manual_seed(0)
     vae = AutoencoderKL(**presets.vae_config("sd15")).cuda().to(dtype).eval()
     vae.encoder = prepare(vae.encoder, variant)
@@ -83,7 +114,10 @@ def vae_case(variant: str, batch: int, steps: int, dtype=torch.bfloat16) -> dict
     def step():
         vae.quant_conv(vae.encoder(x))
 
-    return _time(step, batch, steps)
+    result = _time(step, batch, steps)
+    if "prof" in variant.split("+"):
+        profile(step)
+    return result
 
 
 def _time(step, batch: int, steps: int) -> dict:
@@ -111,22 +145,28 @@ def main() -> None:
     parser.add_argument("--part", choices=["unet", "vae"], default="unet")
     parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
-                        help="variant:batch, variant = eager or a '+' list of cl, full, regional")
+                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), bench "
+                             "(cudnn.benchmark), cudnnattn / effattn (SDPA backend), fp16 (VAE), prof (kernel table)")
+    parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rows = []
+    start = time.perf_counter()
     for case in args.cases:
+        if time.perf_counter() - start > args.budget:
+            print(f"skipped {case}: over the time budget", flush=True)
+            continue
         variant, batch = case.split(":")
         try:
             if args.part == "unet":
                 r = unet_case(args.preset, variant, int(batch), args.steps)
             else:
                 r = vae_case(variant, int(batch), args.steps)
-        except torch.cuda.OutOfMemoryError:
+        except Exception as err:  # noqa: BLE001 - a failed variant is a row, not the end of the run
             r = {"samples_per_s": float("nan"), "step_ms": float("nan"), "warmup_s": float("nan"),
-                 "peak_gib": float("nan"), "note": "OOM"}
+                 "peak_gib": float("nan"), "note": f"{type(err).__name__}: {str(err)[:200]}"}
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         rows.append((case, r))
