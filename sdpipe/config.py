@@ -134,6 +134,14 @@ class EmaConfig:
 
 
 @dataclass(frozen=True)
+class DdpConfig:
+    bucket_cap_mb: float
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    timeout_s: int
+
+
+@dataclass(frozen=True)
 class MultiNodeConfig:
     num_machines: int
     machine_rank: int
@@ -194,6 +202,7 @@ class TrainConfig:
     ema: EmaConfig
     lora: LoraConfig
     text_encoder: TextEncoderConfig
+    ddp: DdpConfig
     multi_node: MultiNodeConfig
 
 

@@ -94,7 +94,7 @@ def _optimise(vae, pixels: torch.Tensor, *, steps: int, batch_size: int, learnin
     from diffusers.optimization import get_scheduler
 
     device = next(vae.parameters()).device
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=learning_rate, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=learning_rate, weight_decay=0.01, fused=True)
     schedule = get_scheduler("cosine", optimizer, num_warmup_steps=min(50, steps // 10), num_training_steps=steps)
     gen, order, losses = torch.Generator().manual_seed(seed), torch.empty(0, dtype=torch.long), []
     vae.train()

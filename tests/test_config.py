@@ -70,3 +70,18 @@ def test_missing_and_invalid_yaml_files_are_user_errors(tmp_path):
     broken.write_text("data: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):
         config.load(broken)
+
+
+def test_ddp_settings_reach_accelerate():
+    from datetime import timedelta
+
+    from sdpipe.train.loop import ddp_kwargs
+
+    ddp, group = ddp_kwargs(config.from_dict({}))
+    assert ddp.to_kwargs() == {"gradient_as_bucket_view": True} and group.timeout == timedelta(seconds=1800)
+    ddp, group = ddp_kwargs(config.from_dict({"train": {"text_encoder": {"mode": "full"}, "ddp": {
+        "bucket_cap_mb": 50, "static_graph": True, "gradient_as_bucket_view": False, "timeout_s": 120}}}))
+    assert ddp.to_kwargs() == {"bucket_cap_mb": 50, "static_graph": True, "find_unused_parameters": True}
+    assert group.timeout == timedelta(seconds=120)
+    with pytest.raises(UserError, match="train.ddp.timeout_s = 5"):
+        config.from_dict({"train": {"ddp": {"timeout_s": 5}}})

@@ -4,10 +4,12 @@ before launch."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,48 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
     proc = train(tmp_path, (tmp_path / "index.json", raw_cfg), "nan", check=False, max_steps=3)
     assert proc.returncode == 2 and "loss is nan in the optimizer steps up to 1;" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "nan" / "final").exists()
+
+
+def test_a_killed_rank_ends_the_run_with_one_line(tmp_path, cache):
+    """One of two processes is killed mid-run (as the OOM killer would): the other must not wait in its next
+    all-reduce until the collective timeout; the stage must end soon, with one line."""
+    import psutil
+
+    index, raw_cfg = cache
+    cfg = {**raw_cfg, "train": {**TRAIN, "max_steps": 100_000, "num_processes": 2, "per_device_batch_size": 2,
+                                "checkpoint_every": 0, "ddp": {"timeout_s": 600}}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"),
+                             "--index", str(index), "--out", str(out), "--summary", str(out / "summary.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tree = psutil.Process(proc.pid)
+    everything: list = []
+    try:
+        _wait_for_rows(proc, out, 2)
+        everything = tree.children(recursive=True)
+        commands = {p: " ".join(p.cmdline()) for p in everything}
+        ranks = [p for p, cmd in commands.items() if "sdpipe.train.loop" in cmd and "accelerate" not in cmd]
+        assert len(ranks) == 2, list(commands.values())
+        ranks[-1].kill()
+        killed = time.monotonic()
+        stderr = proc.communicate(timeout=120)[1]
+        assert time.monotonic() - killed < 120 and not any(p.is_running() for p in ranks)
+    finally:  # a failed assertion must not leave a 100,000-step run behind
+        for p in [tree, *everything, *tree.children(recursive=True)] if proc.poll() is None else everything:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert proc.returncode == 2
+    assert stderr.strip().splitlines()[-1].startswith("sdpipe train: error: training stopped: a training process")
+    assert not (out / "final").exists()
+
+
+def _wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not ((out / "metrics.csv").is_file() and len(metrics(out)) >= rows):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no {rows} metrics rows after {seconds} s"
+        time.sleep(0.5)
 
 
 def test_checkpoint_every_zero_saves_only_the_final_model(tmp_path, cache):

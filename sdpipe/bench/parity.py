@@ -53,7 +53,7 @@ def _sdpipe_run(unet, cfg, data, draws, scheduler, device) -> list[float]:
     from sdpipe.train.models import build_optimizer, training_forward
 
     forward = training_forward(cfg, unet, device)
-    opt = build_optimizer(cfg, unet, [], device.type == "cuda")
+    opt = build_optimizer(cfg, unet, [])
     losses = []
     for d in draws:
         loss = objective.sample_losses(forward, scheduler, data["latents"], d, data, cfg.train, "epsilon",

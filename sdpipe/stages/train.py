@@ -157,5 +157,9 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     log.info("launching %d training process(es): %s", world, " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0 and world > 1:
+        # The launcher ends every process once one fails, so a dead rank cannot leave the others waiting.
+        raise UserError(f"training stopped: a training process failed or was killed (launcher exit code {rc}); "
+                        "the failing rank's error is above")
     if rc != 0:
         raise UserError(f"training exited with code {rc}; its error is above")

@@ -69,7 +69,7 @@ class Run:
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
 OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node", "compile",
-               "tracker", "validation")
+               "tracker", "validation", "ddp")
 
 
 def model_id(cfg, data: LatentData) -> dict:
@@ -96,17 +96,15 @@ def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
 
 def build(cfg, index: Path, out: Path) -> Run:
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+    from accelerate.utils import set_seed
 
     from sdpipe.models import loading
 
     # cpu=True on a CPU-only machine: without it accelerate treats each process launched with --multi_gpu as a
-    # lone single process instead of one gloo rank of several. SDXL conditions on the penultimate layer of its
-    # first text encoder, so when that encoder trains, its last layer gets no gradient: DDP must expect that.
+    # lone single process instead of one gloo rank of several.
     tracker = None if cfg.train.tracker == "none" else cfg.train.tracker
-    unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.train.text_encoder.mode != "none")
     accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
-                              cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=[unused])
+                              cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=ddp_kwargs(cfg))
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
     data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0)
     t, world = cfg.train, accelerator.num_processes
@@ -116,7 +114,7 @@ def build(cfg, index: Path, out: Path) -> Run:
     unet, text = build_unet(cfg, accelerator.device), build_text_stack(cfg, accelerator.device)
     encoders = text.encoders if text else []
     noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)
-    optimizer = build_optimizer(cfg, unet, encoders, accelerator.device.type == "cuda")
+    optimizer = build_optimizer(cfg, unet, encoders)
     lr_scheduler = build_lr_scheduler(cfg, optimizer, plan.lr_schedule_steps)
     unet, *encoders, optimizer = accelerator.prepare(unet, *encoders, optimizer)
     if text:
@@ -134,6 +132,23 @@ def build(cfg, index: Path, out: Path) -> Run:
     return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
                ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text,
                forward=forward, pad_to=t.per_device_batch_size if forward is not unet else 0)
+
+
+def ddp_kwargs(cfg) -> list:
+    """accelerate's handlers for DDP and the process group (they apply only when several processes train)."""
+    from datetime import timedelta
+
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    d = cfg.train.ddp
+    # SDXL conditions on the penultimate layer of its first text encoder, so when that encoder trains, its last
+    # layer gets no gradient: DDP must expect that.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.train.text_encoder.mode != "none",
+                                        bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
+                                        gradient_as_bucket_view=d.gradient_as_bucket_view)
+    # The timeout bounds how long the live ranks wait in a collective for one that died or hangs (the launcher
+    # ends them all when a process exits with an error; this covers a process that stops without exiting).
+    return [ddp, InitProcessGroupKwargs(timeout=timedelta(seconds=d.timeout_s))]
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
