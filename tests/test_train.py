@@ -205,7 +205,8 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path, cache):
         stderr = proc.communicate(timeout=120)[1]
         assert time.monotonic() - killed < 120 and not any(p.is_running() for p in ranks)
     finally:  # a failed assertion must not leave a 100,000-step run behind
-        for p in [tree, *everything, *tree.children(recursive=True)] if proc.poll() is None else everything:
+        leftovers = [*tree.children(recursive=True), tree] if proc.poll() is None else []
+        for p in [*everything, *leftovers]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
     assert proc.returncode == 2
