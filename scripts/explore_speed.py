@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+import torch._inductor.config
 
 from sdpipe.bench.baseline import random_cond
 
@@ -30,9 +31,11 @@ def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> N
 
 
 def set_backends(variant: str) -> None:
-    """Process-wide kernel choices a variant names: cuDNN's conv autotuner and the SDPA attention backend."""
+    """Process-wide kernel choices a variant names: cuDNN's conv autotuner, inductor's kernel-config search (cdt)
+    and the SDPA attention backend."""
     parts = variant.split("+")
     torch.backends.cudnn.benchmark = "bench" in parts
+    torch._inductor.config.coordinate_descent_tuning = "cdt" in parts
     attention = {"cudnnattn": "cudnn", "effattn": "efficient"}.get(next((p for p in parts if p.endswith("attn")), ""))
     torch.backends.cuda.enable_flash_sdp(attention is None)
     torch.backends.cuda.enable_mem_efficient_sdp(attention in (None, "efficient"))
@@ -40,11 +43,17 @@ def set_backends(variant: str) -> None:
 
 
 def prepare(model, variant: str):
+    from sdpipe.models.norms import use_channel_stat_group_norm
+
+    parts = variant.split("+")
     set_backends(variant)
-    if "cl" in variant.split("+"):
+    if "gn" in parts:
+        use_channel_stat_group_norm(model)
+    if "cl" in parts:
         model = model.to(memory_format=torch.channels_last)
-    if "full" in variant.split("+"):
-        model = torch.compile(model, dynamic=False, mode="reduce-overhead" if "ro" in variant.split("+") else None)
+    if "full" in parts:
+        mode = "reduce-overhead" if "ro" in parts else "max-autotune-no-cudagraphs" if "maxat" in parts else None
+        model = torch.compile(model, dynamic=False, mode=mode)
     if "regional" in variant.split("+"):
         compile_regions(model)
     return model
@@ -78,7 +87,39 @@ def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
     result = _time(step, batch, steps)
     if "prof" in variant.split("+"):
         profile(step)
+    if "copyprof" in variant.split("+"):
+        try:
+            copy_sources(step)
+        except Exception as err:  # noqa: BLE001 - the timing above stands without the copy table
+            print(f"copyprof failed: {type(err).__name__}: {err}", flush=True)
     return result
+
+
+def copy_sources(step, top: int = 15) -> None:
+    """Which aten ops launch the `direct_copy` (layout copy) kernels of a step, with their input shapes."""
+    import collections
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    found = collections.Counter()
+    for e in prof.events():
+        names = [k.name for k in getattr(e, "kernels", [])]
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            names = [e.name]
+            e = e.cpu_parent or e
+        if not any("copy" in n for n in names):
+            continue
+        chain, p = [], e
+        while p is not None and len(chain) < 5:
+            chain.append(p.name[:60])
+            p = p.cpu_parent
+        found[(" <- ".join(chain), str(e.input_shapes)[:120])] += 1
+    for (chain, shapes), n in found.most_common(top):
+        print(f"  copies x{n:<4} {chain}  {shapes}", flush=True)
 
 
 def profile(step, top: int = 25) -> None:
@@ -105,6 +146,10 @@ def vae_case(variant: str, batch: int, steps: int) -> dict:
     dtype = torch.float16 if "fp16" in variant.split("+") else torch.bfloat16
     torch.manual_seed(0)
     vae = AutoencoderKL(**presets.vae_config("sd15")).cuda().to(dtype).eval()
+    if "mathattn" in variant.split("+"):  # the head-dim-512 mid-block attention as plain bmm + softmax
+        from diffusers.models.attention_processor import AttnProcessor
+
+        vae.set_attn_processor(AttnProcessor())
     vae.encoder = prepare(vae.encoder, variant)
     x = torch.rand(batch, 3, 512, 512, device="cuda", dtype=dtype) * 2 - 1
     if "cl" in variant.split("+"):
@@ -145,8 +190,10 @@ def main() -> None:
     parser.add_argument("--part", choices=["unet", "vae"], default="unet")
     parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
-                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), bench "
-                             "(cudnn.benchmark), cudnnattn / effattn (SDPA backend), fp16 (VAE), prof (kernel table)")
+                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), maxat "
+                             "(max-autotune), cdt (coordinate-descent tuning), bench (cudnn.benchmark), gn "
+                             "(ChannelStatGroupNorm), cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), "
+                             "prof (kernel table), copyprof (sources of layout copies)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()

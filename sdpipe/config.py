@@ -195,6 +195,7 @@ class TrainConfig:
     caption_dropout: float
     checkpoint_every: int
     keep_checkpoints: int
+    save_final: bool
     resume: str | None
     log_every: int
     tracker: str

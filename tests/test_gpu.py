@@ -12,14 +12,16 @@ from tests.test_latents import make_inputs, run_stage
 pytestmark = pytest.mark.gpu
 
 
-def test_latents_on_all_gpus_match_cpu(tmp_path, tiny_model):
+@pytest.mark.parametrize("compile_mode", ["auto", "compiled"])  # 16 images: auto runs eager
+def test_latents_on_all_gpus_match_cpu(tmp_path, tiny_model, compile_mode):
+    """The compiled encoder (channel-statistics GroupNorm, plain-bmm mid-block attention) computes what eager does."""
     raw, _, _ = make_inputs(tmp_path, 16)
     cpu = run_stage(tmp_path, raw, tiny_model, out="cpu", gpus=0)
     gpu_dir = tmp_path / "gpu"
     gpu_dir.mkdir()
     for f in ("manifest.jsonl", "captions.jsonl"):
         (gpu_dir / f).write_bytes((tmp_path / f).read_bytes())
-    gpu = run_stage(gpu_dir, raw, tiny_model, out="out", gpus="auto")
+    gpu = run_stage(gpu_dir, raw, tiny_model, out="out", gpus="auto", compile=compile_mode)
     assert gpu["devices"] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     assert cpu["encoded"] == gpu["encoded"] == 16
     a = io.read_json(tmp_path / "cpu" / "index.json")

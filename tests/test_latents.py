@@ -194,3 +194,17 @@ def test_kill_during_caching_loses_only_the_batch_in_flight(tmp_path, tiny_model
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = io.read_json(tmp_path / "s.json")
     assert summary["reused"] == done_before and summary["encoded"] == 40 - done_before
+
+
+def test_compiled_encoder_uses_plain_attention_only_where_its_scores_fit():
+    from types import SimpleNamespace
+
+    from sdpipe.stages import encode_worker
+
+    vae = SimpleNamespace(config=SimpleNamespace(block_out_channels=(128, 256, 512, 512)))  # SD's VAE: 8x down
+
+    def jobs(*sizes):
+        return [{"pre": {"bucket": [s, s]}} for s in sizes]
+
+    assert encode_worker._math_attention_fits(vae, 32, jobs(512, 448))  # 4096 tokens: 3.2 GB of scores
+    assert not encode_worker._math_attention_fits(vae, 32, jobs(512, 1024))  # one 1024 px bucket: 51 GB

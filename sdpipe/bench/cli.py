@@ -16,6 +16,9 @@ PRESETS = {  # resolution, default per-GPU batch, JPEGs to cache
 def add_arguments(p) -> None:
     p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="sd15 (default), sdxl; repeatable")
     p.add_argument("--batch", type=int, action="append", help="per-GPU batch; repeatable (default: the preset's)")
+    p.add_argument("--baseline-batch", type=int, action="append",
+                   help="per-GPU batch of the baseline rows; repeatable (default: --batch). The baseline may run at "
+                        "its own best batch: eager SDXL runs out of memory at the batch the compiled step trains at")
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per row (after --warmup)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compiling happens here)")
     p.add_argument("--images", type=int, help="JPEGs to cache (default: 2000 for sd15, 256 for sdxl)")
@@ -80,7 +83,7 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         _show(out["latents"][-1])
     cache = out["latents"][-1] if out["latents"] else None
     if "baseline" not in args.skip:
-        for batch in batches:
+        for batch in args.baseline_batch or batches:
             log.info("bench %s: baseline, batch %d", preset, batch)
             out["rows"].append(baseline.measure(preset, resolution, batch, args.steps, args.warmup, device))
             _show(out["rows"][-1])

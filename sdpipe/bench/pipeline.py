@@ -77,8 +77,8 @@ def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int
 def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict) -> Path:
     cfg = yaml.safe_load(Path(stage_cfg).read_text())
     cfg["train"] = {"mode": "full", "mixed_precision": "bf16", "per_device_batch_size": batch, "max_steps": steps,
-                    "log_every": log_every, "lr_warmup_steps": 0, "checkpoint_every": 0, "resume": None,
-                    "num_processes": 1, "validation": {"every": 0}, **extra}
+                    "log_every": log_every, "lr_warmup_steps": 0, "checkpoint_every": 0, "save_final": False,
+                    "resume": None, "num_processes": 1, "validation": {"every": 0}, **extra}
     path = work / f"train-{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

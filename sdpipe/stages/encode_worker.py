@@ -103,15 +103,29 @@ def _load_vae(device: str, settings: dict):
 COMPILE_MIN_IMAGES = 8000
 
 
-def _encoder(vae, device: str, mode: str, batch_size: int, images: int):
+# Plain bmm + softmax attention materialises the scores: allowed up to this many bytes per batch.
+MATH_ATTENTION_BYTES = 4 * 2**30
+
+
+def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
     """pixels -> posterior means. `latents.compile: auto` compiles the encoder, channels-last, when a GPU has
     enough images to encode for the compile time to pay; a CPU always runs eager. A short batch (a bucket's tail)
     is padded to the full batch size, so only a new bucket shape compiles again."""
     import torch
 
-    worth_it = device.startswith("cuda") and images >= COMPILE_MIN_IMAGES
+    worth_it = device.startswith("cuda") and len(jobs) >= COMPILE_MIN_IMAGES
     if mode == "eager" or (mode == "auto" and not worth_it):
         return lambda x: vae.encode(x).latent_dist.mean
+    from sdpipe.models.norms import use_channel_stat_group_norm
+
+    # Each measured on an H200 (benchmarks/NOTES.md v4): GroupNorm statistics per channel, fast on channels-last
+    # tensors (+15 %); the mid-block's single 512-wide attention head as plain bmm + softmax (+7 %), where its
+    # scores fit in memory (SD-sized images; 1024 px buckets keep SDPA's memory-efficient kernel).
+    use_channel_stat_group_norm(vae.encoder)
+    if _math_attention_fits(vae, batch_size, jobs):
+        from diffusers.models.attention_processor import AttnProcessor
+
+        vae.set_attn_processor(AttnProcessor())
     vae.encoder = torch.compile(vae.encoder.to(memory_format=torch.channels_last))
 
     def encode(x):
@@ -121,6 +135,13 @@ def _encoder(vae, device: str, mode: str, batch_size: int, images: int):
         return vae.encode(x.contiguous(memory_format=torch.channels_last)).latent_dist.mean[:n]
 
     return encode
+
+
+def _math_attention_fits(vae, batch_size: int, jobs: list[dict]) -> bool:
+    """bf16 scores plus their float32 softmax, batch x tokens^2 x 6 bytes, for the largest bucket."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    tokens = max((job["pre"]["bucket"][0] // factor) * (job["pre"]["bucket"][1] // factor) for job in jobs)
+    return batch_size * tokens**2 * 6 <= MATH_ATTENTION_BYTES
 
 
 def _to_host(t):
@@ -168,7 +189,7 @@ def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tup
     import torch
 
     vae, compute = _load_vae(device, settings)
-    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"], len(jobs))
+    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"], jobs)
     store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
     pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):

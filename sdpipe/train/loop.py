@@ -69,7 +69,7 @@ class Run:
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
 OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node", "compile",
-               "tracker", "validation", "ddp")
+               "tracker", "validation", "ddp", "save_final")
 
 
 def model_id(cfg, data: LatentData) -> dict:
@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         with progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar:
             while not finished(run) and not train_epoch(run):
                 pass
-        save_final(run.accelerator, run.trained(), run.modes(), run.out / "final", run.ema,
-                   {"base": run.cfg.model.pretrained, "family": run.data.index["model"]["family"],
-                    "prediction_type": run.prediction_type, "optimizer_steps": run.step})
+        if run.cfg.train.save_final:
+            save_final(run.accelerator, run.trained(), run.modes(), run.out / "final", run.ema,
+                       {"base": run.cfg.model.pretrained, "family": run.data.index["model"]["family"],
+                        "prediction_type": run.prediction_type, "optimizer_steps": run.step})
         write_summary(run, Path(args.summary), time.perf_counter() - start,
                       run.state.samples_seen_total - seen_before)
         run.telemetry.close()

@@ -52,18 +52,35 @@ def build_unet(cfg, device):
     if cfg.train.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
-    return unet.to(device)
+    unet.to(device)
+    if compiles(cfg, torch.device(device)) and torch.device(device).type == "cuda":
+        prepare_for_gpu_compile(unet)  # before DDP wraps it: DDP's gradient buckets take the weights' layout
+    return unet
+
+
+def compiles(cfg, device) -> bool:
+    """`train.compile: auto` compiles on a GPU (1.35x the eager step for SD 1.5 on an H200, benchmarks/NOTES.md)
+    and not on a CPU, where compiling costs more than a short run gains."""
+    mode = cfg.train.compile
+    return mode == "compiled" or (mode == "auto" and device.type == "cuda")
+
+
+def prepare_for_gpu_compile(unet) -> None:
+    """What makes the compiled step fast on a GPU, measured one by one in benchmarks/NOTES.md: channels-last
+    weights (cuDNN's fastest convolutions take NHWC), GroupNorm computed per channel first (fast reductions on
+    NHWC), and cuDNN's autotuner (the compiled step has one shape per bucket, so it tunes once)."""
+    from sdpipe.models.norms import use_channel_stat_group_norm
+
+    torch.backends.cudnn.benchmark = True
+    unet.to(memory_format=torch.channels_last)
+    use_channel_stat_group_norm(unet)
 
 
 def training_forward(cfg, unet, device):
-    """The callable the training step runs the UNet through. `train.compile: auto` compiles it on a GPU (1.35x
-    the eager step for SD 1.5 on an H200, benchmarks/NOTES.md) and not on a CPU, where compiling costs more than
-    a short run gains. Only the training step is compiled: validation and saving use `unet` itself, so sampling
-    triggers no second compile. A new bucket shape recompiles once; after that, shapes are dynamic."""
-    mode = cfg.train.compile
-    if mode == "eager" or (mode == "auto" and device.type != "cuda"):
-        return unet
-    return torch.compile(unet)
+    """The callable the training step runs the UNet through: compiled when `compiles` says so. Only the training
+    step is compiled: validation and saving use `unet` itself, so sampling triggers no second compile. A new
+    bucket shape recompiles once; after that, shapes are dynamic."""
+    return torch.compile(unet) if compiles(cfg, torch.device(device)) else unet
 
 
 def build_text_stack(cfg, device):
