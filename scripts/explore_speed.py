@@ -111,7 +111,7 @@ def copy_sources(step, top: int = 15) -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             names = [e.name]
             e = e.cpu_parent or e
-        if not any("copy" in n for n in names):
+        if not any("direct_copy" in n for n in names):  # aten's copies, not inductor's fused `_to_copy` kernels
             continue
         chain, p = [], e
         while p is not None and len(chain) < 5:
