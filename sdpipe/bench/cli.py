@@ -123,6 +123,7 @@ def run(args) -> int:
     presets = args.preset or ["sd15"]
     meta = {**report.provenance(args.commit), "steps": args.steps, "warmup": args.warmup,
             "peak_tflops": matmul_peak(device), "presets": presets}
+    _show({"peak_tflops": meta["peak_tflops"], "gpu": meta.get("gpu")})  # a run cut short keeps its MFU denominator
     stem = args.name or "bench-" + "-".join(presets)
     results = {"meta": meta, "presets": {}}
     for preset in presets:
