@@ -5,6 +5,7 @@ before launch."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import shutil
 import subprocess
@@ -227,6 +228,38 @@ def test_checkpoint_every_zero_saves_only_the_final_model(tmp_path, cache):
     assert (tmp_path / "nockpt" / "final" / "unet").is_dir()
     assert not list((tmp_path / "nockpt").glob("checkpoints/*/checkpoint-*"))
     assert [int(r["step"]) for r in metrics(tmp_path / "nockpt")] == [1, 2, 3]
+    train(tmp_path, cache, "nofinal", checkpoint_every=0, save_final=False)  # what `sdpipe bench` runs
+    assert not (tmp_path / "nofinal" / "final").exists()
+    assert io.read_json(tmp_path / "nofinal" / "summary.json")["optimizer_steps"] == 3
+
+
+def test_resumed_optimizer_state_takes_the_weights_layout():
+    """Fused AdamW pairs weights and moments by memory position: moments saved from contiguous weights and loaded
+    for channels-last ones (a compiled GPU run resuming an eager checkpoint) must be rearranged, or the step is
+    wrong."""
+    from sdpipe.train.checkpoint import match_state_layout
+
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(8, 4, 3, 3, generator=gen), torch.randn(8, 4, 3, 3, generator=gen)
+    saved = torch.nn.Parameter(start.clone())
+    opt = torch.optim.AdamW([saved], fused=True)
+    saved.grad = torch.randn(8, 4, 3, 3, generator=gen)
+    opt.step()
+
+    def step_from_saved(channels_last: bool, fix: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(start.clone().contiguous(memory_format=torch.channels_last if channels_last
+                                                        else torch.contiguous_format))
+        o = torch.optim.AdamW([p], fused=True)
+        o.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from disk: loading may share the tensors
+        if fix:
+            assert match_state_layout(o) == (2 if channels_last else 0)  # exp_avg and exp_avg_sq
+        p.grad = grad.clone().contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        o.step()
+        return p.detach().contiguous()
+
+    reference = step_from_saved(channels_last=False, fix=True)
+    assert not torch.allclose(step_from_saved(channels_last=True, fix=False), reference)  # the silent error
+    torch.testing.assert_close(step_from_saved(channels_last=True, fix=True), reference)
 
 
 def test_padding_a_short_batch_leaves_its_loss_and_gradients_unchanged(tmp_path, cache):

@@ -75,3 +75,24 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Pa
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def match_state_layout(optimizer) -> int:
+    """Give each optimizer state tensor its parameter's memory layout; return how many were rearranged.
+
+    Fused AdamW pairs a parameter with its moments by memory position, not by index. A checkpoint written by a
+    compiled GPU run (channels-last weights) and resumed eager or on a CPU, or the reverse, would otherwise update
+    each weight with another weight's moments, silently.
+    """
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    changed = 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+                    changed += 1
+    return changed

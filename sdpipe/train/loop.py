@@ -171,6 +171,7 @@ def resume(run: Run) -> None:
     saved = checkpoint.read_state(path)
     checkpoint.check_compatible(saved, run.model_id, path)
     run.accelerator.load_state(str(path))
+    checkpoint.match_state_layout(run.optimizer)  # the weights' layout may differ from the saving run's
     if run.ema is not None:
         run.ema.to(run.accelerator.device)  # accelerate loads registered objects onto the CPU
     checkpoint.restore_metrics(path, run.out / "metrics.csv", run.accelerator.is_main_process)
