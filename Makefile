@@ -25,8 +25,10 @@ demo: setup
 	sdpipe demo --out data/raw
 	snakemake
 
+# Two workers, whole files each: on a 2-core machine the many subprocess-bound tests leave a core idle otherwise,
+# and a file's multi-process tests never share their ports with another file's.
 test: setup
-	pytest -q
+	pytest -q -n 2 --dist loadfile
 
 lint: setup
 	snakemake --lint
