@@ -170,3 +170,23 @@ def test_training_forward_compiles_where_configured(mode, device, compiled):
     forward = training_forward(SimpleNamespace(train=SimpleNamespace(compile=mode)), unet, torch.device(device))
     assert (forward is not unet) == compiled
     assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule) == compiled
+
+
+@pytest.mark.parametrize("mode, device, prepared", [("auto", "cuda", True), ("compiled", "cpu", False),
+                                                    ("eager", "cuda", False)])
+def test_a_compiled_gpu_step_gets_channels_last_weights_and_channel_stat_group_norm(mode, device, prepared):
+    """Only the compiled GPU step is rearranged (the device is only named here: the decision, not the tensors)."""
+    from types import SimpleNamespace
+
+    from sdpipe.models.norms import ChannelStatGroupNorm
+    from sdpipe.train.models import prepare_for_gpu_compile
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(4, 8))
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        prepare_for_gpu_compile(SimpleNamespace(train=SimpleNamespace(compile=mode)), model, torch.device(device))
+        assert torch.backends.cudnn.benchmark == (prepared or benchmark)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) == prepared
+    assert isinstance(model[1], ChannelStatGroupNorm) == prepared

@@ -50,10 +50,9 @@ def _baseline_run(unet, cfg, data, draws, scheduler, mixed: bool) -> list[float]
 
 def _sdpipe_run(unet, cfg, data, draws, scheduler, device) -> list[float]:
     from sdpipe.train import objective
-    from sdpipe.train.models import build_optimizer, compiles, prepare_for_gpu_compile, training_forward
+    from sdpipe.train.models import build_optimizer, prepare_for_gpu_compile, training_forward
 
-    if compiles(cfg, device) and device.type == "cuda":
-        prepare_for_gpu_compile(unet)  # what build_unet does for the train stage
+    prepare_for_gpu_compile(cfg, unet, device)  # what build_unet does for the train stage
     forward = training_forward(cfg, unet, device)
     opt = build_optimizer(cfg, unet, [])
     losses = []

@@ -53,8 +53,7 @@ def build_unet(cfg, device):
         unet.enable_gradient_checkpointing()
     unet.train()
     unet.to(device)
-    if compiles(cfg, torch.device(device)) and torch.device(device).type == "cuda":
-        prepare_for_gpu_compile(unet)  # before DDP wraps it: DDP's gradient buckets take the weights' layout
+    prepare_for_gpu_compile(cfg, unet, torch.device(device))  # before DDP wraps it: its buckets take the layout
     return unet
 
 
@@ -65,12 +64,14 @@ def compiles(cfg, device) -> bool:
     return mode == "compiled" or (mode == "auto" and device.type == "cuda")
 
 
-def prepare_for_gpu_compile(unet) -> None:
-    """What makes the compiled step fast on a GPU, measured one by one in benchmarks/NOTES.md: channels-last
-    weights (cuDNN's fastest convolutions take NHWC), GroupNorm computed per channel first (fast reductions on
-    NHWC), and cuDNN's autotuner (the compiled step has one shape per bucket, so it tunes once)."""
+def prepare_for_gpu_compile(cfg, unet, device) -> None:
+    """When the step is compiled on a GPU, what makes it fast there, measured one by one in benchmarks/NOTES.md:
+    channels-last weights (cuDNN's fastest convolutions take NHWC), GroupNorm computed per channel first (fast
+    reductions on NHWC), and cuDNN's autotuner (the compiled step has one shape per bucket, so it tunes once)."""
     from sdpipe.models.norms import use_channel_stat_group_norm
 
+    if device.type != "cuda" or not compiles(cfg, device):
+        return
     torch.backends.cudnn.benchmark = True
     unet.to(memory_format=torch.channels_last)
     use_channel_stat_group_norm(unet)
