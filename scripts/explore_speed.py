@@ -43,12 +43,15 @@ def set_backends(variant: str) -> None:
 
 
 def prepare(model, variant: str):
+    from sdpipe.models.layout import use_channels_last_conv_inputs
     from sdpipe.models.norms import use_channel_stat_group_norm
 
     parts = variant.split("+")
     set_backends(variant)
     if "gn" in parts:
         use_channel_stat_group_norm(model)
+    if "clconv" in parts:
+        use_channels_last_conv_inputs(model)
     if "cl" in parts:
         model = model.to(memory_format=torch.channels_last)
     if "full" in parts:
@@ -190,10 +193,10 @@ def main() -> None:
     parser.add_argument("--part", choices=["unet", "vae"], default="unet")
     parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
-                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), maxat "
-                             "(max-autotune), cdt (coordinate-descent tuning), bench (cudnn.benchmark), gn "
-                             "(ChannelStatGroupNorm), cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), "
-                             "prof (kernel table), copyprof (sources of layout copies)")
+                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), "
+                             "maxat (max-autotune), cdt (coordinate-descent tuning), bench (cudnn.benchmark), gn "
+                             "(ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), cudnnattn / effattn (SDPA "
+                             "backend), mathattn (VAE), fp16 (VAE), prof (kernel table), copyprof (layout copies)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()

@@ -174,10 +174,11 @@ def test_training_forward_compiles_where_configured(mode, device, compiled):
 
 @pytest.mark.parametrize("mode, device, prepared", [("auto", "cuda", True), ("compiled", "cpu", False),
                                                     ("eager", "cuda", False)])
-def test_a_compiled_gpu_step_gets_channels_last_weights_and_channel_stat_group_norm(mode, device, prepared):
+def test_a_compiled_gpu_step_gets_the_channels_last_layers(mode, device, prepared):
     """Only the compiled GPU step is rearranged (the device is only named here: the decision, not the tensors)."""
     from types import SimpleNamespace
 
+    from sdpipe.models.layout import ChannelsLastInputConv2d
     from sdpipe.models.norms import ChannelStatGroupNorm
     from sdpipe.train.models import prepare_for_gpu_compile
 
@@ -190,3 +191,4 @@ def test_a_compiled_gpu_step_gets_channels_last_weights_and_channel_stat_group_n
         torch.backends.cudnn.benchmark = benchmark
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last) == prepared
     assert isinstance(model[1], ChannelStatGroupNorm) == prepared
+    assert isinstance(model[0], ChannelsLastInputConv2d) == prepared

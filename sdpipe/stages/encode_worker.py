@@ -116,17 +116,16 @@ def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
     worth_it = device.startswith("cuda") and len(jobs) >= COMPILE_MIN_IMAGES
     if mode == "eager" or (mode == "auto" and not worth_it):
         return lambda x: vae.encode(x).latent_dist.mean
-    from sdpipe.models.norms import use_channel_stat_group_norm
+    from sdpipe.models.layout import channels_last_for_compile
 
-    # Each measured on an H200 (benchmarks/NOTES.md v4): GroupNorm statistics per channel, fast on channels-last
-    # tensors (+15 %); the mid-block's single 512-wide attention head as plain bmm + softmax (+7 %), where its
+    # Each measured on an H200 (benchmarks/NOTES.md v4): the channels-last layers, with GroupNorm statistics per
+    # channel (+15 %); the mid-block's single 512-wide attention head as plain bmm + softmax (+7 %), where its
     # scores fit in memory (SD-sized images; 1024 px buckets keep SDPA's memory-efficient kernel).
-    use_channel_stat_group_norm(vae.encoder)
     if _math_attention_fits(vae, batch_size, jobs):
         from diffusers.models.attention_processor import AttnProcessor
 
         vae.set_attn_processor(AttnProcessor())
-    vae.encoder = torch.compile(vae.encoder.to(memory_format=torch.channels_last))
+    vae.encoder = torch.compile(channels_last_for_compile(vae.encoder))
 
     def encode(x):
         n = len(x)

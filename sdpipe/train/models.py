@@ -66,15 +66,14 @@ def compiles(cfg, device) -> bool:
 
 def prepare_for_gpu_compile(cfg, unet, device) -> None:
     """When the step is compiled on a GPU, what makes it fast there, measured one by one in benchmarks/NOTES.md:
-    channels-last weights (cuDNN's fastest convolutions take NHWC), GroupNorm computed per channel first (fast
-    reductions on NHWC), and cuDNN's autotuner (the compiled step has one shape per bucket, so it tunes once)."""
-    from sdpipe.models.norms import use_channel_stat_group_norm
+    the channels-last layers of sdpipe.models.layout, and cuDNN's autotuner (the compiled step has one shape per
+    bucket, so it tunes once)."""
+    from sdpipe.models.layout import channels_last_for_compile
 
     if device.type != "cuda" or not compiles(cfg, device):
         return
     torch.backends.cudnn.benchmark = True
-    unet.to(memory_format=torch.channels_last)
-    use_channel_stat_group_norm(unet)
+    channels_last_for_compile(unet)
 
 
 def training_forward(cfg, unet, device):

@@ -1,0 +1,46 @@
+"""Convolutions that keep a compiled channels-last model channels-last.
+
+diffusers calls `.contiguous()` on a few convolution inputs: every Transformer2DModel's output before `proj_out`,
+every ResnetBlock2D's input before `conv_shortcut`, and Upsample2D's input at batch 64 or more. On a channels-last
+tensor that means a copy into NCHW order, and the traced graph then records those convolutions (and their
+backward) with NCHW inputs. In SD 1.5 that is 33 of 98 convolutions. cuDNN runs channels-last weights on NHWC
+data, so each one costs a layout copy forward and backward: on an H200 about 60 aten copies per training step at
+batch 64, 4 % of the step (benchmarks/NOTES.md v4).
+
+While compiling, these convolutions take their input in channels-last order instead. The values are the same; in
+a compiled graph a `.contiguous()` followed by this one is a single layout decision, not two copies. Eager mode
+is left as diffusers wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpipe.models.norms import use_channel_stat_group_norm
+
+
+class ChannelsLastInputConv2d(torch.nn.Conv2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.weight.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
+        return super().forward(x)
+
+
+def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
+    """Make every nn.Conv2d in `model` a ChannelsLastInputConv2d (in place: the same parameters, optimizer state
+    and state-dict keys); return how many were changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Conv2d:
+            module.__class__ = ChannelsLastInputConv2d
+            changed += 1
+    return changed
+
+
+def channels_last_for_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """What a model compiled on a GPU runs fastest with, measured one by one in benchmarks/NOTES.md: channels-last
+    weights (cuDNN's fastest convolutions take NHWC), GroupNorm statistics per channel (fast reductions on NHWC)
+    and convolution inputs kept NHWC. In place; returns `model`."""
+    use_channel_stat_group_norm(model)
+    use_channels_last_conv_inputs(model)
+    return model.to(memory_format=torch.channels_last)
