@@ -63,3 +63,23 @@ def test_report_states_each_target_and_ratio(tmp_path, rate, latent_rate, met):
     assert sdpipe_row["mfu"] == pytest.approx(rate * 2500.0 / 1e3 / 800.0)
     assert saved["loader"]["ratio"] == pytest.approx(1000.0 / rate)
     assert ("not met" in table) is not met and (tmp_path / "bench-test.md").read_text() == table
+
+
+def test_a_reused_scratch_folder_gets_one_jpeg_folder_per_image_count(tmp_path, monkeypatch):
+    """prepare and caption run once per JPEG folder; a second run with another --images must not reuse the first
+    run's manifest (it did: 1000 requested, 512 encoded)."""
+    import argparse
+
+    import torch
+
+    from sdpipe.bench import cli, pipeline
+
+    folders = []
+    monkeypatch.setattr(pipeline, "sdpipe", lambda *args: None)
+    monkeypatch.setattr(pipeline, "write_jpegs", lambda out, count, size: folders.append((out.name, count)) or out)
+    monkeypatch.setattr(pipeline, "cache_latents", lambda work, name, model, raw, res, settings: {"raw": raw.name})
+    for images in (512, 1000):
+        args = argparse.Namespace(batch=None, baseline_batch=None, images=images, compile=None, steps=1, warmup=1,
+                                  skip=["baseline", "train", "loader", "parity"])
+        cli.bench_preset(args, "sd15", torch.device("cpu"), tmp_path)
+    assert folders == [("jpeg-512-512", 512)] * 2 + [("jpeg-512-1000", 1000)] * 2  # eager and compiled each

@@ -74,7 +74,9 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         pipeline.sdpipe("build-model", "--preset", preset, "--out", str(model))
     out: dict = {"resolution": resolution, "rows": [], "latents": []}
     for name, mode in _latent_variants(args.skip):
-        raw = pipeline.write_jpegs(work / f"jpeg-{resolution}", args.images or default_images, resolution)
+        count = args.images or default_images
+        # The count is in the name: a scratch folder reused with another --images must not feed stale files on.
+        raw = pipeline.write_jpegs(work / f"jpeg-{resolution}-{count}", count, resolution)
         log.info("bench %s: latent caching, %s", preset, name)
         settings = {"dtype": "bf16", "batch_size": 32, "loader_threads": 0, "compile": mode,
                     "gpus": 1 if device.type == "cuda" else 0}
