@@ -83,3 +83,16 @@ def test_a_reused_scratch_folder_gets_one_jpeg_folder_per_image_count(tmp_path, 
                                   skip=["baseline", "train", "loader", "parity"])
         cli.bench_preset(args, "sd15", torch.device("cpu"), tmp_path)
     assert folders == [("jpeg-512-512", 512)] * 2 + [("jpeg-512-1000", 1000)] * 2  # eager and compiled each
+
+
+def test_a_partial_run_reports_only_what_it_measured(tmp_path):
+    """--skip baseline --skip train: no empty step table, and the loader line says it has nothing to compare."""
+    results = _results(150.0, 300.0)
+    res = results["presets"]["sd15"]
+    res["rows"] = []
+    table = report.write(results, tmp_path, "bench-partial")
+    assert "training step" not in table and "latent caching" in table
+    assert "no sdpipe train row at batch 32 in this run" in table
+    res["latents"] = []
+    table = report.write(results, tmp_path, "bench-partial")
+    assert "latent caching" not in table and "Target" not in table

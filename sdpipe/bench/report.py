@@ -27,6 +27,8 @@ def provenance(commit: str | None) -> dict:
 
 
 def _step_table(name: str, res: dict, meta: dict) -> list[str]:
+    if not res["rows"]:  # a run with --skip baseline --skip train: no empty table
+        return []
     peak = meta["peak_tflops"]
     base = max((r["samples_per_s"] for r in res["rows"] if r["kind"] == "baseline"), default=None)
     flops = next((r["gflops_per_sample"] for r in res["rows"] if "gflops_per_sample" in r), None)
@@ -50,12 +52,14 @@ def _step_table(name: str, res: dict, meta: dict) -> list[str]:
 
 
 def _latent_table(name: str, res: dict) -> list[str]:
+    if not res["latents"]:
+        return []
     lines = ["", f"### {name}: latent caching (`sdpipe latents`, JPEG decode included, {res['resolution']} px)", "",
              "| variant | images | whole stage images/s | after warm-up images/s | stage seconds |", "|---|---|---|---|---|"]
     for r in res["latents"]:
         lines.append(f"| {r['name']} | {r['encoded']} | {_f(r['images_per_s'], '.1f')} "
                      f"| {_f(r.get('images_per_s_after_warmup'), '.1f')} | {r['seconds']:.1f} |")
-    if name in LATENT_TARGET and res["latents"]:
+    if name in LATENT_TARGET:
         got = res["latents"][-1].get("images_per_s_after_warmup") or 0.0
         res["latent_target"] = {"images_per_s": LATENT_TARGET[name], "got": got, "met": got >= LATENT_TARGET[name]}
         lines += ["", f"Target {LATENT_TARGET[name]:g} images/s after warm-up: {got:.1f}, "
@@ -71,10 +75,11 @@ def _loader_lines(name: str, res: dict) -> list[str]:
                default=None)
     ratio = loader["samples_per_s"] / step if step else None
     loader["step_samples_per_s"], loader["ratio"] = step, ratio
+    against = (f"the step consumes {step:.1f}: {ratio:.1f}x (target {LOADER_FACTOR:g}x)" if step else
+               f"no sdpipe train row at batch {loader['batch']} in this run to compare with")
     return ["", f"### {name}: training data loader", "",
             f"`loop.load_batch` (cache read, noise draws, pinned copy), batch {loader['batch']}: "
-            f"{loader['samples_per_s']:.0f} samples/s; the step consumes {_f(step, '.1f')}: {_f(ratio, '.1f')}x "
-            f"(target {LOADER_FACTOR:g}x)."]
+            f"{loader['samples_per_s']:.0f} samples/s; {against}."]
 
 
 def _parity_lines(name: str, res: dict) -> list[str]:
