@@ -43,8 +43,7 @@ def set_backends(variant: str) -> None:
 
 
 def prepare(model, variant: str):
-    from sdpipe.models.layout import use_channels_last_conv_inputs
-    from sdpipe.models.norms import use_channel_stat_group_norm
+    from sdpipe.models.layout import use_channel_stat_group_norm, use_channels_last_conv_inputs
 
     parts = variant.split("+")
     set_backends(variant)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sdpipe.models.norms import ChannelStatGroupNorm, channel_stat_group_norm, use_channel_stat_group_norm
+from sdpipe.models.layout import use_channel_stat_group_norm
+from sdpipe.models.norms import ChannelStatGroupNorm, channel_stat_group_norm
 
 
 def _inputs(dtype, channels_last):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpipe.models.norms import use_channel_stat_group_norm
+from sdpipe.models.norms import ChannelStatGroupNorm
 
 
 class ChannelsLastInputConv2d(torch.nn.Conv2d):
@@ -26,16 +26,25 @@ class ChannelsLastInputConv2d(torch.nn.Conv2d):
         return super().forward(x)
 
 
-def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
-    """Make every nn.Conv2d in `model` a ChannelsLastInputConv2d (in place: the same parameters, optimizer state
+def _swap_class(model: torch.nn.Module, base: type, replacement: type) -> int:
+    """Make every module of exactly type `base` a `replacement` (in place: the same parameters, optimizer state
     and state-dict keys); return how many were changed."""
     changed = 0
     for module in model.modules():
-        if type(module) is torch.nn.Conv2d:
-            module.__class__ = ChannelsLastInputConv2d
+        if type(module) is base:
+            module.__class__ = replacement
             changed += 1
     return changed
 
+
+def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
+    """Every nn.Conv2d becomes a ChannelsLastInputConv2d; returns how many."""
+    return _swap_class(model, torch.nn.Conv2d, ChannelsLastInputConv2d)
+
+
+def use_channel_stat_group_norm(model: torch.nn.Module) -> int:
+    """Every nn.GroupNorm becomes a ChannelStatGroupNorm (sdpipe.models.norms); returns how many."""
+    return _swap_class(model, torch.nn.GroupNorm, ChannelStatGroupNorm)
 
 def channels_last_for_compile(model: torch.nn.Module) -> torch.nn.Module:
     """What a model compiled on a GPU runs fastest with, measured one by one in benchmarks/NOTES.md: channels-last

@@ -37,13 +37,3 @@ def channel_stat_group_norm(x: torch.Tensor, groups: int, weight, bias, eps: flo
     # Under autocast PyTorch's group_norm returns float32; outside it, the input's dtype.
     return out if torch.is_autocast_enabled(x.device.type) else out.to(x.dtype)
 
-
-def use_channel_stat_group_norm(model: torch.nn.Module) -> int:
-    """Make every nn.GroupNorm in `model` a ChannelStatGroupNorm (in place: the same parameters, optimizer state
-    and state-dict keys); return how many were changed."""
-    changed = 0
-    for module in model.modules():
-        if type(module) is torch.nn.GroupNorm:
-            module.__class__ = ChannelStatGroupNorm
-            changed += 1
-    return changed
