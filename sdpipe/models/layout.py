@@ -1,15 +1,16 @@
-"""Convolutions that keep a compiled channels-last model channels-last.
+"""The layers a model compiled on a GPU runs with: channels-last throughout.
 
-diffusers calls `.contiguous()` on a few convolution inputs: every Transformer2DModel's output before `proj_out`,
-every ResnetBlock2D's input before `conv_shortcut`, and Upsample2D's input at batch 64 or more. On a channels-last
-tensor that means a copy into NCHW order, and the traced graph then records those convolutions (and their
-backward) with NCHW inputs. In SD 1.5 that is 33 of 98 convolutions. cuDNN runs channels-last weights on NHWC
-data, so each one costs a layout copy forward and backward: on an H200 about 60 aten copies per training step at
-batch 64, 4 % of the step (benchmarks/NOTES.md v4).
-
-While compiling, these convolutions take their input in channels-last order instead. The values are the same; in
-a compiled graph a `.contiguous()` followed by this one is a single layout decision, not two copies. Eager mode
-is left as diffusers wrote it.
+Two swaps, each in place and each acting only while torch.compile traces:
+- nn.GroupNorm becomes ChannelStatGroupNorm (sdpipe.models.norms: statistics per channel, fast on NHWC);
+- nn.Conv2d becomes ChannelsLastInputConv2d. diffusers calls `.contiguous()` on a few convolution inputs: every
+  Transformer2DModel's output before `proj_out`, every ResnetBlock2D's input before `conv_shortcut`, and
+  Upsample2D's input at batch 64 or more. On a channels-last tensor that is a copy into NCHW order, and the traced
+  graph then records those convolutions (and their backward) with NCHW inputs: 33 of SD 1.5's 98. cuDNN runs
+  channels-last weights on NHWC data, so each cost a layout copy forward and backward, about 60 aten copies per
+  training step at batch 64 on an H200, 4 % of the step (benchmarks/NOTES.md v4). ChannelsLastInputConv2d takes
+  its input channels-last instead: the same values, and in a compiled graph a `.contiguous()` followed by this
+  one is a single layout decision, not two copies.
+Eager mode is left as diffusers wrote it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
 def use_channel_stat_group_norm(model: torch.nn.Module) -> int:
     """Every nn.GroupNorm becomes a ChannelStatGroupNorm (sdpipe.models.norms); returns how many."""
     return _swap_class(model, torch.nn.GroupNorm, ChannelStatGroupNorm)
+
 
 def channels_last_for_compile(model: torch.nn.Module) -> torch.nn.Module:
     """What a model compiled on a GPU runs fastest with, measured one by one in benchmarks/NOTES.md: channels-last

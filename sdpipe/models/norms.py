@@ -36,4 +36,3 @@ def channel_stat_group_norm(x: torch.Tensor, groups: int, weight, bias, eps: flo
     out = xf * scale.view(shape) + shift.view(shape)
     # Under autocast PyTorch's group_norm returns float32; outside it, the input's dtype.
     return out if torch.is_autocast_enabled(x.device.type) else out.to(x.dtype)
-
