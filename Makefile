@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 
 # Pin today's versions of everything but torch/torchvision/CUDA wheels (CI and the Docker image install with them).
 constraints: setup
-	{ sed -n '1,2p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable \
+	{ sed -n '1,2p' requirements/constraints.txt; $(BIN)/pip list --format=freeze --exclude-editable \
 	  | grep -v -i -E '^(torch|torchvision|triton)==|^(nvidia-|cuda-)'; } > requirements/constraints.txt.new
 	mv requirements/constraints.txt.new requirements/constraints.txt
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,12 @@ def test_dockerfile_copies_what_the_repository_has():
     missing = [src for src in sources if not (REPO / src).exists()]
     assert not missing, f"the Dockerfile copies files the repository lacks: {missing}"
     assert 'ENTRYPOINT ["tini", "--", "sdpipe", "pod"]' in (REPO / "Dockerfile").read_text()
+
+
+def test_constraints_pin_versions_an_index_serves():
+    """A direct reference (`name @ file:///...`) from `pip freeze` names a file on one machine: a fresh clone's
+    `make setup` (CI, the Docker image) cannot install it."""
+    pins = [line for line in (REPO / "requirements/constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+!\-]+", p) for p in pins), \
+        [p for p in pins if "==" not in p or "@" in p]
