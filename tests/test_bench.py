@@ -96,3 +96,44 @@ def test_a_partial_run_reports_only_what_it_measured(tmp_path):
     res["latents"] = []
     table = report.write(results, tmp_path, "bench-partial")
     assert "latent caching" not in table and "Target" not in table
+
+
+def _call(tmp_path, stem: str, date: str, measured: dict) -> object:
+    """One device call's results file, written by the bench's own report (which adds MFU and ratios)."""
+    results = _results(150.0, 390.0)
+    results["meta"].update(date=date, command=f"/x/sdpipe/__main__.py bench --preset sd15 --out /o --name {stem}")
+    results["presets"]["sd15"] = {"resolution": 512, "rows": [], "latents": [], **measured}
+    report.write(results, tmp_path, stem)
+    return tmp_path / f"{stem}.json"
+
+
+def test_summary_puts_split_calls_in_one_table_with_their_provenance(tmp_path):
+    from sdpipe.bench import summary
+
+    rows = _results(150.0, 0.0)["presets"]["sd15"]["rows"]
+    latents = [{"name": name, "encoded": 512, "images_per_s": 50.0, "images_per_s_after_warmup": rate, "seconds": 9.0}
+               for name, rate in (("eager", 184.0), ("torch.compile", 389.0))]
+    files = [_call(tmp_path, "latents-call", "2026-12-03T15:00:00+00:00",
+                   {"latents": latents, "loader": {"batch": 32, "samples_per_s": 1000.0}}),
+             _call(tmp_path, "train-call", "2026-12-03T14:00:00+00:00", {"rows": rows})]
+    table = summary.write(files, tmp_path, "summary")
+    lines = {line["what"].split(",")[0]: line for line in json.loads((tmp_path / "summary.json").read_text())["lines"]}
+    assert lines["sd15 training step"]["verdict"] == "not met: 1.50x the baseline"
+    assert lines["sd15 training step"]["source"] == "train-call"
+    assert lines["sd15 latent caching"]["got"] == 389.0 and "184.0 images/s" in lines["sd15 latent caching"]["baseline"]
+    loader = lines["sd15 training data loader"]
+    assert loader["got"] == pytest.approx(1000.0 / 150.0) and loader["source"] == "latents-call"
+    assert loader["baseline"] == "the step consumed 150.0 (train-call)"  # borrowed from the other call, and named
+    sources = [line for line in table.splitlines() if line.startswith(("| train-call", "| latents-call"))]
+    assert [s.split(" | ")[0] for s in sources] == ["| train-call", "| latents-call"]  # oldest first
+    assert all("`bench --preset sd15`" in s and "GPU X (1)" in s for s in sources)
+    assert (tmp_path / "summary.md").read_text() == table
+
+
+def test_summary_names_a_file_that_is_not_a_results_file(tmp_path):
+    from sdpipe.bench import summary
+    from sdpipe.errors import UserError
+
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    with pytest.raises(UserError, match="other.json is not an `sdpipe bench` results file"):
+        summary.write([tmp_path / "other.json"], tmp_path, "summary")

@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", help="results file stem (default: bench-<presets>)")
     p.add_argument("--commit", help="the code's git commit, when the tree has no .git (default: git rev-parse)")
+    p.add_argument("--summarize", nargs="+", type=Path, metavar="RESULTS_JSON",
+                   help="measure nothing: put these results files (from calls that each ran some rows) into one "
+                        "table with each file's provenance, written to --out as <--name or summary>.md/.json")
 
 
 def matmul_peak(device, n: int = 8192, reps: int = 20) -> float | None:
@@ -112,6 +115,11 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
 
 
 def run(args) -> int:
+    if args.summarize:
+        from sdpipe.bench import summary
+
+        print(summary.write(args.summarize, Path(args.out), args.name or "summary"))
+        return 0
     import torch
 
     from sdpipe.bench import report
