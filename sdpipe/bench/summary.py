@@ -29,7 +29,7 @@ def load(paths: list[Path]) -> list[dict]:
         if not isinstance(data, dict) or not {"meta", "presets"} <= data.keys():
             raise UserError(f"bench --summarize: {path} is not an `sdpipe bench` results file (no meta/presets)")
         runs.append({"stem": Path(path).stem, **data})
-    return sorted(runs, key=lambda run: run["meta"]["date"])
+    return sorted(runs, key=lambda run: run["meta"].get("date", ""))
 
 
 def _verdict(got: float | None, target: float | None) -> str:
@@ -51,7 +51,8 @@ def _step_lines(preset: str, run: dict) -> list[dict]:
         return (f"{r['samples_per_s']:.1f} samples/s at batch {r['batch']}, {_f(r.get('tflops'), '.0f')} TFLOP/s, "
                 f"{_f(r.get('mfu'), '.0%')} MFU, {_f(r.get('peak_memory_gib'), '.1f')} GiB")
 
-    ratio = f"{best['samples_per_s'] / base['samples_per_s']:.2f}x the baseline" if base else "no baseline in this call"
+    # report.write stored each row's ratio to its own call's best baseline
+    ratio = f"{best['vs_baseline']:.2f}x the baseline" if best.get("vs_baseline") else "no baseline in this call"
     return [{"what": f"{preset} training step", "sdpipe": cell(best) + f", {_f(best.get('warmup_s'), '.0f')} s warm-up",
              "baseline": cell(base) if base else "-", "target": _f(target, "g"), "got": best["samples_per_s"],
              "verdict": f"{_verdict(best['samples_per_s'], target)}: {ratio}"}]
@@ -92,8 +93,10 @@ def _loader_lines(preset: str, run: dict, runs: list[dict]) -> list[dict]:
         source, step = next(((r["stem"], s) for r in reversed(runs) if preset in r["presets"]
                              for s in [_step_rate(preset, batch, r)] if s is not None), (None, None))
     ratio = loader["samples_per_s"] / step if step else None
-    against = f"the step consumed {step:.1f}" + ("" if source == run["stem"] else f" ({source})") if step else \
-        f"no sdpipe train row at batch {batch} in any file"
+    if step is None:
+        against = f"no sdpipe train row at batch {batch} in any file"
+    else:
+        against = f"the step consumed {step:.1f}" + ("" if source == run["stem"] else f" ({source})")
     return [{"what": f"{preset} training data loader, batch {batch}",
              "sdpipe": f"{loader['samples_per_s']:.0f} samples/s", "baseline": against,
              "target": f"{LOADER_FACTOR:g}x", "got": ratio,
@@ -127,7 +130,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown(summary: dict) -> str:
-    out = ["| what (per GPU) | sdpipe | baseline (same call) | target | | from |", "|---|---|---|---|---|---|"]
+    out = ["| what (per GPU) | sdpipe | compared with | target | | from |", "|---|---|---|---|---|---|"]
     for line in summary["lines"]:
         out.append(f"| {line['what']} | {line['sdpipe']} | {line['baseline']} | {line['target']} "
                    f"| {line['verdict']} | {line['source']} |")
