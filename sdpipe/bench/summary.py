@@ -25,9 +25,9 @@ def load(paths: list[Path]) -> list[dict]:
         try:
             data = io.read_json(path)
         except (OSError, ValueError) as e:
-            raise UserError(f"bench --summarize: cannot read {path}: {e}") from e
+            raise UserError(f"--summarize: cannot read {path}: {e}") from e
         if not isinstance(data, dict) or not {"meta", "presets"} <= data.keys():
-            raise UserError(f"bench --summarize: {path} is not an `sdpipe bench` results file (no meta/presets)")
+            raise UserError(f"--summarize: {path} is not an `sdpipe bench` results file (no meta/presets)")
         runs.append({"stem": Path(path).stem, **data})
     return sorted(runs, key=lambda run: run["meta"].get("date", ""))
 
