@@ -53,3 +53,26 @@ def test_bench_runs_end_to_end_on_the_tiny_preset(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in saved["rows"])
     assert saved["parity"]["passed"] and saved["loader"]["samples_per_s"] > 0
     assert [v["encoded"] for v in saved["latents"]] == [64, 64]
+
+
+def test_data_wait_counts_what_the_gpu_waited_not_the_hosts_loading_time():
+    """A load that the host does while the GPU still works costs the GPU nothing; the same load on an idle GPU
+    is all wait."""
+    import time
+
+    from tests.test_telemetry import telemetry_on
+
+    telemetry = telemetry_on("cuda")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(200):  # queued work, hundreds of ms on any current GPU
+        x = (x @ x).clamp_(-1, 1)
+    with telemetry.loading():
+        time.sleep(0.05)
+    torch.cuda.synchronize()
+    hidden = telemetry.data_wait(1.0)
+    with telemetry.loading():  # the GPU is idle now
+        time.sleep(0.05)
+    waited = telemetry.data_wait(1.0) - hidden
+    assert hidden < 0.01, hidden
+    assert 0.045 <= waited < 0.5, waited

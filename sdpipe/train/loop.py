@@ -198,10 +198,9 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> t
     # dynamic shapes, minutes on a GPU. The padding repeats a sample with zero loss weight, and a UNet has no
     # cross-sample layer (GroupNorm, attention within a sample), so the real samples' gradients are unchanged.
     indices = indices + [indices[0]] * max(0, run.pad_to - real)
-    start = time.perf_counter()
-    batch, draws = load_batch(run, indices, epoch)
+    with run.telemetry.loading():
+        batch, draws = load_batch(run, indices, epoch)
     batch["weight"][real:] = 0.0
-    run.telemetry.data_time(time.perf_counter() - start)
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
             batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
