@@ -32,10 +32,11 @@ def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> N
 
 def set_backends(variant: str) -> None:
     """Process-wide kernel choices a variant names: cuDNN's conv autotuner, inductor's kernel-config search (cdt)
-    and the SDPA attention backend."""
+    and combo kernels, and the SDPA attention backend."""
     parts = variant.split("+")
     torch.backends.cudnn.benchmark = "bench" in parts
     torch._inductor.config.coordinate_descent_tuning = "cdt" in parts
+    torch._inductor.config.combo_kernels = "combo" in parts  # independent small kernels launched as one
     attention = {"cudnnattn": "cudnn", "effattn": "efficient"}.get(next((p for p in parts if p.endswith("attn")), ""))
     torch.backends.cuda.enable_flash_sdp(attention is None)
     torch.backends.cuda.enable_mem_efficient_sdp(attention in (None, "efficient"))
@@ -193,9 +194,10 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
                         help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), "
-                             "maxat (max-autotune), cdt (coordinate-descent tuning), bench (cudnn.benchmark), gn "
-                             "(ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), cudnnattn / effattn (SDPA "
-                             "backend), mathattn (VAE), fp16 (VAE), prof (kernel table), copyprof (layout copies)")
+                             "maxat (max-autotune), cdt (coordinate-descent tuning), combo (combo kernels), bench "
+                             "(cudnn.benchmark), gn (ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), "
+                             "cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), prof (kernel table), "
+                             "copyprof (layout copies)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
