@@ -2,8 +2,9 @@
 
 The data wait is the share of the window the device spent waiting for batches. On a GPU that is not the host's time
 in the loader: the host prepares the next batch while the GPU still runs the previous step, so only CUDA events
-around the load can tell whether the GPU sat idle (an H200 training SD 1.5 showed 8-11 % host time in the loader
-and a GPU that never waited). On a CPU the step waits for the host's load, so its time is the wait.
+around the load can tell whether the GPU sat idle (on an H200, SD 1.5 training spent 8-11 % of its host time in the
+loader and still ran as fast as the bare step on data already on the GPU). On a CPU the step waits for the host's
+load, so its time is the wait.
 
 Rank 0 appends one row per logged step to metrics.csv (which `dvc plots` and the report read), logs a plain line,
 and forwards the same numbers to accelerate's trackers when one is configured.
