@@ -98,8 +98,8 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-# On an H200 compiling SD 1.5's encoder cost about 17 s and then encoded 307 images/s against eager's 182
-# (benchmarks/results/bench-sd15.md): it pays from about 7,500 images per process on.
+# On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-389 images/s against eager's 184
+# (benchmarks/NOTES.md v5, v7): it pays from about 7,000-10,000 images per process on.
 COMPILE_MIN_IMAGES = 8000
 
 
