@@ -76,3 +76,10 @@ def test_data_wait_counts_what_the_gpu_waited_not_the_hosts_loading_time():
     waited = telemetry.data_wait(1.0) - hidden
     assert hidden < 0.01, hidden
     assert 0.045 <= waited < 0.5, waited
+
+
+def test_allocator_retries_are_counted_on_a_gpu():
+    from tests.test_telemetry import telemetry_on
+
+    retries = telemetry_on("cuda").alloc_retries()
+    assert isinstance(retries, int) and retries >= 0

@@ -101,7 +101,8 @@ def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_ev
     window = log_every * batch
     return {"samples_per_s": rate, "warmup_s": window / float(first["samples_per_s"]) - window / rate,
             "stage_wall_s": wall, "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"]
-            else None, "data_wait": float(last["data_wait"]), "batch": batch, "final_loss": float(last["loss"])}
+            else None, "data_wait": float(last["data_wait"]), "batch": batch, "final_loss": float(last["loss"]),
+            "cuda_alloc_retries": json.loads((out / "summary.json").read_text()).get("cuda_alloc_retries")}
 
 
 def loader_rate(train_cfg: Path, index: str, batches: int) -> dict:

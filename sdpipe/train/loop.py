@@ -315,8 +315,16 @@ def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -
                "seconds": round(seconds, 3), "samples_per_s": round(samples_this_run / seconds, 3) if seconds else None,
                "mode": run.cfg.train.mode, "mixed_precision": run.cfg.train.mixed_precision,
                "prediction_type": run.prediction_type, "device": str(run.accelerator.device),
-               "peak_memory_mb": run.telemetry.peak_memory_mb()}
+               "peak_memory_mb": run.telemetry.peak_memory_mb(), "cuda_alloc_retries": run.telemetry.alloc_retries()}
     io.write_json(path, summary)
+
+
+def warn_about_alloc_retries(run: Run) -> None:
+    retries = run.telemetry.alloc_retries()
+    if retries:
+        log.warning("the CUDA allocator ran out of cached memory %d times in %d optimizer steps and synchronised "
+                    "the GPU each time; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller "
+                    "train.per_device_batch_size avoids it", retries, run.step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             save_final(run.accelerator, run.trained(), run.modes(), run.out / "final", run.ema,
                        {"base": run.cfg.model.pretrained, "family": run.data.index["model"]["family"],
                         "prediction_type": run.prediction_type, "optimizer_steps": run.step})
+        warn_about_alloc_retries(run)
         write_summary(run, Path(args.summary), time.perf_counter() - start,
                       run.state.samples_seen_total - seen_before)
         run.telemetry.close()

@@ -92,6 +92,13 @@ class Telemetry:
             return None
         return round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
 
+    def alloc_retries(self) -> int | None:
+        """How often the CUDA caching allocator found no free block, released its cache and retried: each release
+        synchronises the device, so a run at the edge of its memory stalls at every one."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
     def window_loss(self) -> float:
         """Mean loss per sample over every rank's samples since the last logged row (that row's, if none since).
         A collective: every rank calls it at the same step."""
