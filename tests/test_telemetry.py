@@ -33,7 +33,8 @@ def test_allocator_retries_are_reported_with_what_avoids_them(caplog):
     from sdpipe.train import loop
 
     assert telemetry_on("cpu").alloc_retries() is None  # no CUDA allocator on a CPU
-    run = SimpleNamespace(telemetry=SimpleNamespace(alloc_retries=lambda: 7), step=40)
+    run = SimpleNamespace(telemetry=SimpleNamespace(alloc_retries=lambda: 7), step=40,
+                          accelerator=SimpleNamespace(is_main_process=True))
     with caplog.at_level("WARNING", logger="sdpipe.train"):
         loop.warn_about_alloc_retries(run)
         assert "7 times in 40 optimizer steps" in caplog.text and "expandable_segments:True" in caplog.text

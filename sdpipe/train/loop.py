@@ -320,8 +320,9 @@ def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -
 
 
 def warn_about_alloc_retries(run: Run) -> None:
+    """Rank 0 warns for its GPU (the ranks run the same shapes, so their allocators behave alike)."""
     retries = run.telemetry.alloc_retries()
-    if retries:
+    if retries and run.accelerator.is_main_process:
         log.warning("the CUDA allocator ran out of cached memory %d times in %d optimizer steps and synchronised "
                     "the GPU each time; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller "
                     "train.per_device_batch_size avoids it", retries, run.step)
