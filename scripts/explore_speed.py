@@ -19,6 +19,9 @@ import torch._inductor.config
 from sdpipe.bench.baseline import random_cond
 
 RESOLUTION = {"sd15": 512, "sdxl": 1024}
+CAT_DEFAULTS = {key: getattr(torch._inductor.config, key)
+                for key in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
+                if hasattr(torch._inductor.config, key)}  # not every torch has the second
 
 
 def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> None:
@@ -31,12 +34,16 @@ def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> N
 
 
 def set_backends(variant: str) -> None:
-    """Process-wide kernel choices a variant names: cuDNN's conv autotuner, inductor's kernel-config search (cdt)
-    and combo kernels, and the SDPA attention backend."""
+    """Process-wide kernel choices a variant names: cuDNN's conv autotuner, inductor's kernel-config search (cdt),
+    combo kernels and pointwise cats (nopwcat), and the SDPA attention backend."""
     parts = variant.split("+")
     torch.backends.cudnn.benchmark = "bench" in parts
     torch._inductor.config.coordinate_descent_tuning = "cdt" in parts
     torch._inductor.config.combo_kernels = "combo" in parts  # independent small kernels launched as one
+    # nopwcat: every cat of two or more computed inputs becomes one buffer each input's kernel writes into, not one
+    # kernel that evaluates all inputs per element (GEGLU's backward, benchmarks/NOTES.md v8)
+    for key, default in CAT_DEFAULTS.items():
+        setattr(torch._inductor.config, key, 1 if "nopwcat" in parts else default)
     attention = {"cudnnattn": "cudnn", "effattn": "efficient"}.get(next((p for p in parts if p.endswith("attn")), ""))
     torch.backends.cuda.enable_flash_sdp(attention is None)
     torch.backends.cuda.enable_mem_efficient_sdp(attention in (None, "efficient"))
@@ -44,10 +51,13 @@ def set_backends(variant: str) -> None:
 
 
 def prepare(model, variant: str):
+    from sdpipe.models.geglu import use_split_geglu
     from sdpipe.models.layout import use_channel_stat_group_norm, use_channels_last_conv_inputs
 
     parts = variant.split("+")
     set_backends(variant)
+    if "geglu" in parts:
+        use_split_geglu(model)
     if "gn" in parts:
         use_channel_stat_group_norm(model)
     if "clconv" in parts:
@@ -195,7 +205,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
                         help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), "
                              "maxat (max-autotune), cdt (coordinate-descent tuning), combo (combo kernels), bench "
-                             "(cudnn.benchmark), gn (ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), "
+                             "(cudnn.benchmark), gn (ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), geglu "
+                             "(SplitProjectionGEGLU), nopwcat (no pointwise cats), "
                              "cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), prof (kernel table), "
                              "copyprof (layout copies)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")

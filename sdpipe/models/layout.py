@@ -27,7 +27,7 @@ class ChannelsLastInputConv2d(torch.nn.Conv2d):
         return super().forward(x)
 
 
-def _swap_class(model: torch.nn.Module, base: type, replacement: type) -> int:
+def swap_class(model: torch.nn.Module, base: type, replacement: type) -> int:
     """Make every module of exactly type `base` a `replacement` (in place: the same parameters, optimizer state
     and state-dict keys); return how many were changed."""
     changed = 0
@@ -40,12 +40,12 @@ def _swap_class(model: torch.nn.Module, base: type, replacement: type) -> int:
 
 def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
     """Every nn.Conv2d becomes a ChannelsLastInputConv2d; returns how many."""
-    return _swap_class(model, torch.nn.Conv2d, ChannelsLastInputConv2d)
+    return swap_class(model, torch.nn.Conv2d, ChannelsLastInputConv2d)
 
 
 def use_channel_stat_group_norm(model: torch.nn.Module) -> int:
     """Every nn.GroupNorm becomes a ChannelStatGroupNorm (sdpipe.models.norms); returns how many."""
-    return _swap_class(model, torch.nn.GroupNorm, ChannelStatGroupNorm)
+    return swap_class(model, torch.nn.GroupNorm, ChannelStatGroupNorm)
 
 
 def channels_last_for_compile(model: torch.nn.Module) -> torch.nn.Module:
