@@ -137,3 +137,13 @@ def test_summary_names_a_file_that_is_not_a_results_file(tmp_path):
     (tmp_path / "other.json").write_text('{"rows": []}')
     with pytest.raises(UserError, match="other.json is not an `sdpipe bench` results file"):
         summary.write([tmp_path / "other.json"], tmp_path, "summary")
+
+
+def test_train_row_rate_comes_from_the_last_full_window_not_a_short_tail():
+    from sdpipe.bench.pipeline import last_full_window
+
+    rows = [{"step": "6", "samples_per_s": "20.0"}, {"step": "12", "samples_per_s": "156.0"},
+            {"step": "18", "samples_per_s": "156.5"}, {"step": "20", "samples_per_s": "150.0"}]
+    assert last_full_window(rows, 6)["samples_per_s"] == "156.5"
+    assert last_full_window(rows[:3], 6)["samples_per_s"] == "156.5"
+    assert last_full_window(rows[:1], 6) is rows[0], "a run of one window has only that one"

@@ -85,7 +85,7 @@ def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, 
 
 
 def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_every: int, extra: dict) -> dict:
-    """`sdpipe train` (what the Snakemake rule runs) for `steps` optimizer steps; samples/s of the last logged
+    """`sdpipe train` (what the Snakemake rule runs) for `steps` optimizer steps; samples/s of the last full logged
     window, warm-up = the first window's time beyond what a steady window takes."""
     cfg = train_config(work, cache["config"], name, batch, steps, log_every, extra)
     out = work / f"train-{name}"
@@ -96,13 +96,20 @@ def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_ev
     wall = time.perf_counter() - start
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    last, first = rows[-1], rows[0]
-    rate = float(last["samples_per_s"])
+    steady, first, last = last_full_window(rows, log_every), rows[0], rows[-1]
+    rate = float(steady["samples_per_s"])
     window = log_every * batch
     return {"samples_per_s": rate, "warmup_s": window / float(first["samples_per_s"]) - window / rate,
             "stage_wall_s": wall, "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"]
-            else None, "data_wait": float(last["data_wait"]), "batch": batch, "final_loss": float(last["loss"]),
+            else None, "data_wait": float(steady["data_wait"]), "batch": batch, "final_loss": float(last["loss"]),
             "cuda_alloc_retries": json.loads((out / "summary.json").read_text()).get("cuda_alloc_retries")}
+
+
+def last_full_window(rows: list[dict], log_every: int) -> dict:
+    """The metrics row of the last window of `log_every` steps after the first (warm-up) window. A run whose step
+    count is not a multiple of log_every ends in a short window: 2 steps of 128 samples measure too little."""
+    full = [row for prev, row in zip(rows, rows[1:]) if int(row["step"]) - int(prev["step"]) == log_every]
+    return full[-1] if full else rows[-1]
 
 
 def loader_rate(train_cfg: Path, index: str, batches: int) -> dict:
