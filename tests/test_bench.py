@@ -147,3 +147,12 @@ def test_train_row_rate_comes_from_the_last_full_window_not_a_short_tail():
     assert last_full_window(rows, 6)["samples_per_s"] == "156.5"
     assert last_full_window(rows[:3], 6)["samples_per_s"] == "156.5"
     assert last_full_window(rows[:1], 6) is rows[0], "a run of one window has only that one"
+
+
+def test_a_latent_rate_from_few_images_gets_no_verdict(tmp_path):
+    results = _results(170.0, 450.0)
+    results["presets"]["sd15"]["latents"][0]["encoded"] = 256
+    table = report.write(results, tmp_path, "bench-few")
+    saved = json.loads((tmp_path / "bench-few.json").read_text())["presets"]["sd15"]
+    assert saved["latent_target"]["met"] is None
+    assert "no verdict from 256 images" in table

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdpipe.bench import report
 from sdpipe.bench.report import LATENT_TARGET, LOADER_FACTOR, TARGETS, _f
 
 
@@ -75,7 +76,14 @@ def _latent_lines(preset: str, run: dict) -> list[dict]:
              "sdpipe": cell(ours), "target": _f(target, "g"),
              # With --skip latents a call still caches compiled, for its training rows: no eager run to compare.
              "baseline": cell(eager) if eager and compiled else "none: the cache for this call's training rows",
-             "got": got, "verdict": _verdict(got, target)}]
+             "got": got, "verdict": _latent_verdict(got, target, ours["encoded"])}]
+
+
+def _latent_verdict(got: float | None, target: float | None, images: int) -> str:
+    if target is None or got is None:
+        return "-"
+    return {True: "met", False: "not met"}.get(report.latent_verdict(got, target, images),
+                                                f"no verdict: {images} images")
 
 
 def _step_rate(preset: str, batch: int, run: dict) -> float | None:
