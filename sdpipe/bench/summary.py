@@ -80,10 +80,9 @@ def _latent_lines(preset: str, run: dict) -> list[dict]:
 
 
 def _latent_verdict(got: float | None, target: float | None, images: int) -> str:
-    if target is None or got is None:
-        return "-"
-    return {True: "met", False: "not met"}.get(report.latent_verdict(got, target, images),
-                                                f"no verdict: {images} images")
+    if target is not None and got is not None and report.latent_verdict(got, target, images) is None:
+        return f"no verdict: {images} images"
+    return _verdict(got, target)
 
 
 def _step_rate(preset: str, batch: int, run: dict) -> float | None:
