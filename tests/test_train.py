@@ -351,3 +351,39 @@ def test_text_encoder_lora_targets_are_checked_before_launch(tmp_path, cache):
     proc = train(tmp_path, cache, "badte", check=False, text_encoder={"mode": "lora", "lora_target_modules": ["nope"]})
     assert proc.returncode == 2 and "train.text_encoder.lora_target_modules: ['nope']" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_prefetched_batches_train_exactly_as_batches_loaded_in_the_loop(tmp_path, cache):
+    """The prefetch thread must load what the loop would have loaded, in the plan's order and across the epoch's
+    end (40 images, batch 4: 10 steps an epoch): the per-step losses with and without it are identical."""
+    import threading
+
+    from sdpipe.train import loop
+    from sdpipe.train.prefetch import Prefetcher
+    from sdpipe.train.telemetry import Telemetry
+
+    index, raw_cfg = cache
+    settings = {**TRAIN, "num_processes": 1, "max_steps": 12, "checkpoint_every": 0}
+
+    def losses(name: str, prefetch: bool) -> tuple[list[float], list[str]]:
+        run = loop.build(config.from_dict({**raw_cfg, "train": settings}), index, tmp_path / name)
+        loop.resume(run)
+        run.telemetry, run.advance_bar, threads = Telemetry(run), lambda n: None, []
+
+        def load(epoch, indices):
+            threads.append(threading.current_thread().name)
+            return loop.host_batch(run, indices, epoch)
+
+        with Prefetcher(load) if prefetch else contextlib.nullcontext() as run.prefetch:
+            while not loop.finished(run) and not loop.train_epoch(run):
+                pass
+        run.telemetry.close()
+        assert run.state.epoch == 1 and run.step == 12
+        return [float(r["loss"]) for r in metrics(tmp_path / name)], threads
+
+    plain, _ = losses("plain", prefetch=False)
+    ahead, threads = losses("ahead", prefetch=True)
+    assert len(plain) == 12 and ahead == plain
+    # Every load on the prefetch thread, and only the 2 batches queued past the last step wasted: the look-ahead
+    # named the batches the loop then asked for.
+    assert len(threads) <= 12 + 2 and all(t.startswith("sdpipe-prefetch") for t in threads)

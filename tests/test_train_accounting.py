@@ -235,3 +235,30 @@ def test_resume_twice_after_a_world_size_change_is_exact():
     mid, first = consume(one, checkpoint(state), 3)
     _, rest = consume(BucketSampler(buckets, 4, 1, 2, 0), checkpoint(mid), 5)
     assert first + rest == straight
+
+
+@pytest.mark.parametrize("w, b, cut", [(1, 4, 0), (2, 2, 4), (1, 3, 5)])
+def test_upcoming_is_what_advance_will_yield_across_epochs(w, b, cut):
+    """The prefetcher loads `upcoming` ahead: it must be the plan's next batches, into the following epochs."""
+    sampler = BucketSampler(sample_buckets(UNEVEN), 7, w, b, 0)
+    state, _ = consume(sampler, SamplerState(), cut)
+    expected, probe = [], state
+    for _ in range(14):  # more than two epochs of 6-7 global batches
+        epoch = sampler.resume(probe).epoch
+        chunk = sampler.remaining(probe)[0]
+        expected.append((epoch, chunk))
+        probe = sampler.advance(probe, chunk)
+    assert sampler.upcoming(state, 14) == expected
+    assert sampler.upcoming(state, 1) == expected[:1]
+
+
+def test_upcoming_continues_a_replanned_epoch():
+    """After a resume on another world size the current epoch's plan excludes what was seen; later ones are whole."""
+    buckets = sample_buckets(UNEVEN)
+    state, _ = consume(BucketSampler(buckets, 4, 2, 2, 0), SamplerState(), 2)
+    one = BucketSampler(buckets, 4, 1, 2, 0)
+    state = one.resume(checkpoint(state))
+    rest = one.remaining(state)
+    ahead = one.upcoming(state, len(rest) + 3)
+    assert ahead[:len(rest)] == [(state.epoch, c) for c in rest]
+    assert ahead[len(rest):] == [(state.epoch + 1, c) for c in epoch_plan(buckets, state.epoch + 1, 4, 2)[:3]]

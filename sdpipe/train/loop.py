@@ -23,6 +23,7 @@ from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
                                  build_unet, save_final, trainable, training_forward)
+from sdpipe.train.prefetch import Prefetcher
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry, check_finite
 
@@ -54,6 +55,7 @@ class Run:
     text: object = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
     forward: object = None  # what the training step calls: the (wrapped) UNet, torch.compile'd on GPUs by default
     pad_to: int = 0  # a compiled step pads short batches to this size (zero loss weight): one shape, no recompile
+    prefetch: object = None  # a Prefetcher loading the next batches in the background (while training), else None
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
@@ -182,24 +184,23 @@ def resume(run: Run) -> None:
                  run.state.samples_seen_total)
 
 
-def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> torch.Tensor:
+def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int,
+               ahead: list[tuple[int, list[int]]] = ()) -> torch.Tensor:
     """Forward and backward for this rank's share of one global batch; return the sum of its sample losses (a
     device tensor: reading it would make the host wait for the GPU, so only the telemetry does, every log_every).
+    `ahead` is this rank's next (epoch, indices), which the prefetcher (when training) loads meanwhile.
 
     The loss is scaled so that DDP's average over ranks, summed over the accumulated micro-steps, is the mean over
     all `step_samples` samples of the optimizer step: shares may be smaller (or empty) at a bucket's tail.
     """
     acc, t = run.accelerator, run.cfg.train
-    weight = 1.0
-    if not indices:  # DDP needs every rank in the backward: reuse a sample with zero weight
-        indices, weight = [0], 0.0
-    real = len(indices)
-    # A compiled step keeps one batch shape: a bucket's short tail batch would otherwise recompile the UNet with
-    # dynamic shapes, minutes on a GPU. The padding repeats a sample with zero loss weight, and a UNet has no
-    # cross-sample layer (GroupNorm, attention within a sample), so the real samples' gradients are unchanged.
-    indices = indices + [indices[0]] * max(0, run.pad_to - real)
+    indices, real, weight = padded(run, indices)
     with run.telemetry.loading():
-        batch, draws = load_batch(run, indices, epoch)
+        if run.prefetch is None:
+            batch, draws = load_batch(run, indices, epoch)
+        else:
+            wanted = [(epoch, indices)] + [(e, padded(run, ix)[0]) for e, ix in ahead]
+            batch, draws = (_to_device(part, acc.device) for part in run.prefetch.get(wanted))
     batch["weight"][real:] = 0.0
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
@@ -210,24 +211,43 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int) -> t
     return losses.detach().sum() * weight
 
 
+def padded(run: Run, indices: list[int]) -> tuple[list[int], int, float]:
+    """(indices to load, how many are real, loss weight). DDP needs every rank in the backward, so an empty share
+    reuses a sample with zero weight. A compiled step keeps one batch shape: a bucket's short tail batch would
+    otherwise recompile the UNet with dynamic shapes, minutes on a GPU. The padding repeats a sample with zero loss
+    weight, and a UNet has no cross-sample layer (GroupNorm, attention within a sample), so the real samples'
+    gradients are unchanged."""
+    weight = 1.0
+    if not indices:
+        indices, weight = [0], 0.0
+    real = len(indices)
+    return indices + [indices[0]] * max(0, run.pad_to - real), real, weight
+
+
 def load_batch(run: Run, indices: list[int], epoch: int) -> tuple[dict, dict]:
     """The cached latents and text states of `indices` and their random draws (noise, timesteps, caption
     dropout, flips), on the device: all the data one micro-step reads. `sdpipe bench` times this very function."""
+    batch, draws = host_batch(run, indices, epoch)
+    return _to_device(batch, run.accelerator.device), _to_device(draws, run.accelerator.device)
+
+
+def host_batch(run: Run, indices: list[int], epoch: int) -> tuple[dict, dict]:
+    """load_batch's host half: read, draw, and pin on a GPU machine (what the prefetch thread does)."""
     gens = [objective.sample_generator(run.cfg.seed, epoch, i) for i in indices]
     flips = [bool(torch.rand((1,), generator=g) < 0.5) for g in gens]
     shape = run.data.latent_shape(indices[0])
     draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, run.cfg.train)
     batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
-    device = run.accelerator.device
-    return _to_device(batch, device), _to_device(draws, device)
+    if run.accelerator.device.type == "cuda":
+        batch, draws = ({k: v.pin_memory() for k, v in part.items()} for part in (batch, draws))
+    return batch, draws
 
 
 def _to_device(tensors: dict, device) -> dict:
-    """Host batch -> device. On a GPU through pinned memory, so the copy does not make the host wait for the GPU
-    and the next batch is prepared while this step still runs."""
+    """Host batch -> device. From pinned memory the copy does not make the host wait for the GPU."""
     if device.type != "cuda":
         return {k: v.to(device) for k, v in tensors.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
 
 
 def optimizer_step(run: Run) -> None:
@@ -276,12 +296,14 @@ def train_epoch(run: Run) -> bool:
         loss_sum, samples, step_samples = 0, 0, sum(len(c) for c in group)
         for j, chunk in enumerate(group):
             mine = rank_slice(chunk, acc.process_index, acc.num_processes)
+            ahead = [(e, rank_slice(c, acc.process_index, acc.num_processes))
+                     for e, c in run.sampler.upcoming(run.state, 1 + run.prefetch.depth)[1:]] if run.prefetch else []
             # Gradients are all-reduced only on the last micro-step of the optimizer step.
             with contextlib.ExitStack() as stack:
                 if j < len(group) - 1:
                     for model in run.trained().values():
                         stack.enter_context(acc.no_sync(model))
-                loss_sum += micro_step(run, mine, step_samples, epoch)
+                loss_sum += micro_step(run, mine, step_samples, epoch, ahead)
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
         optimizer_step(run)
@@ -348,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("\n%s", accounting.summary_block(run.plan))
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
         todo = run.plan.total_optimizer_steps - run.step
-        with progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar:
+        with (progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar,
+              Prefetcher(lambda epoch, indices: host_batch(run, indices, epoch)) as run.prefetch):
             while not finished(run) and not train_epoch(run):
                 pass
         if run.cfg.train.save_final:

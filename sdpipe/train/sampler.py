@@ -102,6 +102,7 @@ class BucketSampler:
         self.seed, self.world_size, self.rank = seed, world_size, rank
         self.global_batch = world_size * per_device_batch_size
         self._cache: tuple[tuple[int, tuple[int, ...]], list[list[int]]] | None = None
+        self._next: tuple[int, list[list[int]]] | None = None  # a later epoch's full plan, for `upcoming`
 
     def _plan(self, state: SamplerState) -> list[list[int]]:
         """The state's epoch plan (cached: the loop asks for it every micro-step)."""
@@ -126,6 +127,19 @@ class BucketSampler:
         """The global batches still to come in the state's epoch (after `resume`)."""
         state = self.resume(state)
         return self._plan(state)[state.batches_done:]
+
+    def upcoming(self, state: SamplerState, n: int) -> list[tuple[int, list[int]]]:
+        """The next n global batches from `state` on, as (epoch, batch), running into later epochs as `advance`
+        would: what a prefetcher loads ahead."""
+        state = self.resume(state)
+        out = [(state.epoch, chunk) for chunk in self._plan(state)[state.batches_done:state.batches_done + n]]
+        epoch = state.epoch
+        while len(out) < n:
+            epoch += 1
+            if self._next is None or self._next[0] != epoch:
+                self._next = (epoch, epoch_plan(self.buckets, epoch, self.seed, self.global_batch))
+            out += [(epoch, chunk) for chunk in self._next[1][:n - len(out)]]
+        return out
 
     def batches(self, state: SamplerState) -> Iterator[tuple[list[int], int, bool]]:
         """(this rank's indices, real samples over all ranks, last micro-step of the epoch), to the epoch's end."""
