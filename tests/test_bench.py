@@ -78,9 +78,11 @@ def test_a_reused_scratch_folder_gets_one_jpeg_folder_per_image_count(tmp_path, 
     monkeypatch.setattr(pipeline, "sdpipe", lambda *args: None)
     monkeypatch.setattr(pipeline, "write_jpegs", lambda out, count, size: folders.append((out.name, count)) or out)
     monkeypatch.setattr(pipeline, "cache_latents", lambda work, name, model, raw, res, settings: {"raw": raw.name})
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)  # the CLI's own defaults
     for images in (512, 1000):
-        args = argparse.Namespace(batch=None, baseline_batch=None, images=images, compile=None, steps=1, warmup=1,
-                                  skip=["baseline", "train", "loader", "parity"])
+        args = parser.parse_args(["--images", str(images), "--steps", "1", "--warmup", "1", "--skip", "baseline",
+                                  "--skip", "train", "--skip", "loader", "--skip", "parity"])
         cli.bench_preset(args, "sd15", torch.device("cpu"), tmp_path)
     assert folders == [("jpeg-512-512", 512)] * 2 + [("jpeg-512-1000", 1000)] * 2  # eager and compiled each
 
@@ -111,8 +113,8 @@ def test_summary_puts_split_calls_in_one_table_with_their_provenance(tmp_path):
     from sdpipe.bench import summary
 
     rows = _results(150.0, 0.0)["presets"]["sd15"]["rows"]
-    latents = [{"name": name, "encoded": 512, "images_per_s": 50.0, "images_per_s_after_warmup": rate, "seconds": 9.0}
-               for name, rate in (("eager", 184.0), ("torch.compile", 389.0))]
+    latents = [{"name": name, "encoded": 512, "images_per_s": 50.0, "images_per_s_after_warmup": rate, "seconds": 9.0,
+                "batch": 64} for name, rate in (("eager", 184.0), ("torch.compile", 389.0))]
     files = [_call(tmp_path, "latents-call", "2026-12-03T15:00:00+00:00",
                    {"latents": latents, "loader": {"batch": 32, "samples_per_s": 1000.0}}),
              _call(tmp_path, "train-call", "2026-12-03T14:00:00+00:00", {"rows": rows})]
@@ -121,6 +123,7 @@ def test_summary_puts_split_calls_in_one_table_with_their_provenance(tmp_path):
     assert lines["sd15 training step"]["verdict"] == "not met: 1.50x the baseline"
     assert lines["sd15 training step"]["source"] == "train-call"
     assert lines["sd15 latent caching"]["got"] == 389.0 and "184.0 images/s" in lines["sd15 latent caching"]["baseline"]
+    assert lines["sd15 latent caching"]["what"] == "sd15 latent caching, 512 JPEGs at 512 px, batch 64, decode included"
     loader = lines["sd15 training data loader"]
     assert loader["got"] == pytest.approx(1000.0 / 150.0) and loader["source"] == "latents-call"
     assert loader["baseline"] == "the step consumed 150.0 (train-call)"  # borrowed from the other call, and named

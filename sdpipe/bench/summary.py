@@ -72,7 +72,9 @@ def _latent_lines(preset: str, run: dict) -> list[dict]:
     def cell(r):
         return f"{_f(r.get('images_per_s_after_warmup'), '.1f')} images/s after warm-up ({r['name']})"
 
-    return [{"what": f"{preset} latent caching, {ours['encoded']} JPEGs at {res['resolution']} px, decode included",
+    batch = f", batch {ours['batch']}" if "batch" in ours else ""  # recorded since v10
+    what = f"{preset} latent caching, {ours['encoded']} JPEGs at {res['resolution']} px{batch}, decode included"
+    return [{"what": what,
              "sdpipe": cell(ours), "target": _f(target, "g"),
              # With --skip latents a call still caches compiled, for its training rows: no eager run to compare.
              "baseline": cell(eager) if eager and compiled else "none: the cache for this call's training rows",
@@ -145,7 +147,7 @@ def markdown(summary: dict) -> str:
             "|---|---|---|---|---|---|---|---|"]
     for s in summary["sources"]:
         command = _measuring_flags(s["command"])
-        out.append(f"| {s['file']} | {s['date'][:16].replace('T', ' ')} | {s['commit'][:10]} "
+        out.append(f"| {s['file']} | {s['date'][:16].replace('T', ' ')} | {s['commit']} "
                    f"| {s['gpu']['name'] or 'CPU'} ({s['gpu']['driver']}) | {s['packages']['torch']} "
                    f"| {s['packages']['diffusers']} | {_f(s['peak_tflops'], '.0f')} TFLOP/s | `bench {command}` |")
     return "\n".join(out) + "\n"
