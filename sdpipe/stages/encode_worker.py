@@ -125,6 +125,8 @@ def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
         from diffusers.models.attention_processor import AttnProcessor
 
         vae.set_attn_processor(AttnProcessor())
+    # cuDNN's autotuner: a padded batch has one shape per bucket, so it tunes once per bucket.
+    torch.backends.cudnn.benchmark = True
     vae.encoder = torch.compile(channels_last_for_compile(vae.encoder))
 
     def encode(x):
