@@ -98,7 +98,7 @@ class CaptionConfig:
 @dataclass(frozen=True)
 class LatentsConfig:
     dtype: str
-    batch_size: int
+    batch_size: int | Literal["auto"]
     resize: str
     crop: str
     interpolation: str

@@ -51,7 +51,8 @@ def test_cli_reports_bad_config_in_one_line(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "sdpipe check-config: error: config: latents.batch_size = 0 is not allowed; expected a value from 1 to 4096"]
+        "sdpipe check-config: error: config: latents.batch_size = 0 is not allowed; expected one of ['auto'] or an "
+        "integer from 1 to 4096"]
 
 
 def test_set_overrides_are_validated_too(tmp_path):

@@ -91,12 +91,13 @@ def test_store_ignores_half_written_shards_and_compacts(tmp_path):
 
 def test_encodes_then_reuses_everything(tmp_path, tiny_model):
     raw, _, _ = make_inputs(tmp_path, 8)
-    first = run_stage(tmp_path, raw, tiny_model)
+    first = run_stage(tmp_path, raw, tiny_model, batch_size="auto")
     assert (first["encoded"], first["reused"], first["failed"]) == (8, 0, 0)
     assert first["text_encoded"] == 4 and first["images_per_s"] > 0
+    assert first["batch_sizes"] == {"cpu": 8}  # what auto means on a CPU, recorded
     second = run_stage(tmp_path, raw, tiny_model, out="again")
     assert (second["encoded"], second["reused"], second["text_encoded"]) == (0, 8, 0)
-    assert second["images_per_s"] is None
+    assert second["images_per_s"] is None and second["batch_sizes"] == {}
 
 
 def test_index_points_at_latents_of_the_bucket_shape(tmp_path, tiny_model):
@@ -207,6 +208,7 @@ def test_compiled_encoder_uses_plain_attention_only_where_its_scores_fit():
         return [{"pre": {"bucket": [s, s]}} for s in sizes]
 
     assert encode_worker._math_attention_fits(vae, 32, jobs(512, 448))  # 4096 tokens: 3.2 GB of scores
+    assert encode_worker._math_attention_fits(vae, 64, jobs(512))  # 6.4 GB: auto's batch on an H200
     assert not encode_worker._math_attention_fits(vae, 32, jobs(512, 1024))  # one 1024 px bucket: 51 GB
 
 
@@ -223,3 +225,20 @@ def test_the_compiled_encoder_turns_on_cudnns_autotuner(tiny_model, monkeypatch)
     assert not torch.backends.cudnn.benchmark  # eager encoding changes no process-wide setting
     encode_worker._encoder(vae, "cpu", "compiled", 2, jobs)
     assert torch.backends.cudnn.benchmark
+
+
+@pytest.mark.parametrize(("free_gib", "bucket", "dtype", "expected"), [
+    (130, [512, 512], torch.bfloat16, 64),  # an H200 at SD resolution: the fastest batch measured (v10)
+    (22, [512, 512], torch.bfloat16, 32),   # a 24 GB card: 64 would need about 20.3 GiB, more than 80 % of 22
+    (22, [512, 512], torch.float32, 16),    # float32 activations take twice the memory
+    (130, [1024, 1024], torch.float32, 32),  # 2.5 GiB an image: 64 would take 162
+    (0.5, [1024, 1024], torch.bfloat16, 1),  # nothing fits: one image at a time rather than no run
+])
+def test_auto_batch_is_the_largest_that_fits_in_free_gpu_memory(monkeypatch, free_gib, bucket, dtype, expected):
+    from sdpipe.stages import encode_worker
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_gib * 2**30), 141 * 2**30))
+    jobs = [{"pre": {"bucket": [256, 256]}}, {"pre": {"bucket": bucket}}]  # the largest bucket decides
+    assert encode_worker.batch_size("auto", "cuda:0", dtype, jobs) == expected
+    assert encode_worker.batch_size("auto", "cpu", dtype, jobs) == encode_worker.CPU_BATCH
+    assert encode_worker.batch_size(12, "cuda:0", dtype, jobs) == 12  # a configured number is kept

@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
                         "its own best batch: eager SDXL runs out of memory at the batch the compiled step trains at")
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per row (after --warmup)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compiling happens here)")
-    p.add_argument("--latent-batch", type=int, default=32, help="images per batch in the latents stage")
+    p.add_argument("--latent-batch", type=int, help="images per batch in the latents stage (default: its auto rule)")
     p.add_argument("--images", type=int, help="JPEGs to cache (default: 2000 for sd15, 256 for sdxl)")
     p.add_argument("--skip", action="append", default=[], choices=["baseline", "parity", "latents", "loader", "train"])
     p.add_argument("--compile", action="append", choices=["auto", "eager"],
@@ -82,7 +82,7 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         # The count is in the name: a scratch folder reused with another --images must not feed stale files on.
         raw = pipeline.write_jpegs(work / f"jpeg-{resolution}-{count}", count, resolution)
         log.info("bench %s: latent caching, %s", preset, name)
-        settings = {"dtype": "bf16", "batch_size": args.latent_batch, "loader_threads": 0, "compile": mode,
+        settings = {"dtype": "bf16", "batch_size": args.latent_batch or "auto", "loader_threads": 0, "compile": mode,
                     "gpus": 1 if device.type == "cuda" else 0}
         out["latents"].append({"name": name, **pipeline.cache_latents(work, f"{preset}-{mode}", model, raw,
                                                                      resolution, settings)})

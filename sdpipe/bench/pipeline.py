@@ -71,8 +71,9 @@ def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int
         sdpipe("caption", *common, "--captions", str(captions), "--summary", str(upstream / "captions.json"))
     sdpipe("latents", *common, "--captions", str(captions), "--index", str(out / "index.json"),
            "--summary", str(out / "latents.json"))
-    return {**json.loads((out / "latents.json").read_text()), "batch": latents["batch_size"],
-            "index": str(out / "index.json"), "config": str(cfg)}
+    summary = json.loads((out / "latents.json").read_text())
+    batch = max(summary["batch_sizes"].values(), default=None)  # one GPU in the bench
+    return {**summary, "batch": batch, "index": str(out / "index.json"), "config": str(cfg)}
 
 
 def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict) -> Path:

@@ -27,14 +27,15 @@ def _dtype(name: str):
 
 
 def encode(device: str, jobs: list[dict], report, settings: dict) -> dict:
-    failed, steady = [], {"images": 0, "seconds": 0.0}
+    failed, steady, batch = [], {"images": 0, "seconds": 0.0}, None
     image_jobs = [j for j in jobs if j["kind"] == "image"]
     text_jobs = [j for j in jobs if j["kind"] == "text"]
     if image_jobs:
-        failed, steady = _encode_images(device, image_jobs, report, settings)
+        failed, steady, batch = _encode_images(device, image_jobs, report, settings)
     if text_jobs:
-        _encode_texts(device, text_jobs, report, settings)
-    return {"device": device, "failed": failed, "steady": steady}
+        configured = CPU_BATCH if settings["batch_size"] == "auto" else settings["batch_size"]
+        _encode_texts(device, text_jobs, report, {**settings, "batch_size": batch or configured})
+    return {"device": device, "failed": failed, "steady": steady, "batch_size": batch}
 
 
 def _compute_dtype(device: str, store_dtype: str, force_upcast: bool = False):
@@ -103,8 +104,10 @@ def _load_vae(device: str, settings: dict):
 COMPILE_MIN_IMAGES = 8000
 
 
-# Plain bmm + softmax attention materialises the scores: allowed up to this many bytes per batch.
-MATH_ATTENTION_BYTES = 4 * 2**30
+# Plain bmm + softmax attention materialises the scores: allowed up to this many bytes per batch. 8 GiB admits
+# batch 64 at 512 px (6.4 GB; its whole encoder peaked at 20.3 GiB, NOTES v10), what `batch_size: auto` picks on
+# large GPUs; at 4 GiB that batch had fallen back to SDPA, unlike the bare encoder it was measured against.
+MATH_ATTENTION_BYTES = 8 * 2**30
 
 
 def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
@@ -136,6 +139,29 @@ def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
         return vae.encode(x.contiguous(memory_format=torch.channels_last)).latent_dist.mean[:n]
 
     return encode
+
+
+# `latents.batch_size: auto`. SD's encoder at 512 px in bf16 peaked at 10.2 GiB at batch 32 and 20.3 at 64 on an
+# H200, and ran 415.8 images/s at 64 against 393.7 at 32 (benchmarks/NOTES.md v10); larger batches are unmeasured.
+CPU_BATCH = 8
+AUTO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+ENCODER_GIB_PER_MEGAPIXEL = 20.3 / 64 / 0.25  # bf16; float32 activations take twice that
+AUTO_MEMORY_SHARE = 0.8
+
+
+def batch_size(requested, device: str, compute_dtype, jobs: list[dict]) -> int:
+    """The configured batch, or for `auto` the largest of AUTO_BATCHES whose activations at the largest bucket
+    fit in AUTO_MEMORY_SHARE of the GPU's free memory (the model is loaded already)."""
+    import torch
+
+    if requested != "auto":
+        return requested
+    if not device.startswith("cuda"):
+        return CPU_BATCH
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    megapixels = max(j["pre"]["bucket"][0] * j["pre"]["bucket"][1] for j in jobs) / 2**20
+    per_image = ENCODER_GIB_PER_MEGAPIXEL * megapixels * 2**30 * (2 if compute_dtype == torch.float32 else 1)
+    return next((b for b in AUTO_BATCHES if b * per_image <= AUTO_MEMORY_SHARE * free), 1)
 
 
 def _math_attention_fits(vae, batch_size: int, jobs: list[dict]) -> bool:
@@ -186,11 +212,14 @@ def _write(store, ok: list, means, clock: _Clock) -> None:
     clock.written(len(ok))
 
 
-def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tuple[list[dict], dict]:
+def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tuple[list[dict], dict, int]:
     import torch
 
     vae, compute = _load_vae(device, settings)
-    encode = _encoder(vae, device, settings.get("compile", "auto"), settings["batch_size"], jobs)
+    size = batch_size(settings["batch_size"], device, compute, jobs)
+    log.info("latents on %s: batch %d (latents.batch_size: %s)", device, size, settings["batch_size"])
+    settings = {**settings, "batch_size": size}
+    encode = _encoder(vae, device, settings.get("compile", "auto"), size, jobs)
     store, failed, store_dtype = ShardStore(settings["latent_dir"]), [], _dtype(settings["dtype"])
     pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):
@@ -208,7 +237,7 @@ def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tup
         report(len(batch))
     if pending:
         _write(store, *pending, clock)
-    return failed, clock.result()
+    return failed, clock.result(), size
 
 
 def _encode_texts(device: str, jobs: list[dict], report, settings: dict) -> None:

@@ -128,8 +128,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     seconds = time.perf_counter() - start
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
-    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds,
-                   _steady_rate(results))
+    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
 
 
 def _steady_rate(results: list[dict]) -> float | None:
@@ -147,7 +146,7 @@ def _worker_settings(cfg, root: Path, processes: int) -> dict:
             "loader_threads": threads, "compile": cfg.latents.compile}
 
 
-def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, steady) -> dict:
+def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
     bad_paths = {f["path"] for f in failed}
     present = lambda it: (it["latent_key"] in wheres["image"] and it["text_key"] in wheres["text"]
                           and (it["flip_key"] is None or it["flip_key"] in wheres["image"]))
@@ -162,7 +161,9 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, 
         "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),
         "devices": devices, "seconds": round(seconds, 3),
         "images_per_s": round(encoded / seconds, 3) if encoded and seconds > 0 else None,
-        "images_per_s_after_warmup": steady,
+        "images_per_s_after_warmup": _steady_rate(results),
+        # What `latents.batch_size` resolved to on each device that encoded images (auto depends on free memory).
+        "batch_sizes": {r["device"]: r["batch_size"] for r in results if r.get("batch_size")},
         "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
     }
     kept_text = {it["text_key"] for it in kept}
