@@ -99,8 +99,8 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-# On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-389 images/s against eager's 184
-# (benchmarks/NOTES.md v5, v7): it pays from about 7,000-10,000 images per process on.
+# On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-409 images/s against eager's 184
+# (benchmarks/NOTES.md v5, v7, v11): it pays from about 7,000-10,000 images per process on.
 COMPILE_MIN_IMAGES = 8000
 
 
@@ -142,7 +142,8 @@ def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
 
 
 # `latents.batch_size: auto`. SD's encoder at 512 px in bf16 peaked at 10.2 GiB at batch 32 and 20.3 at 64 on an
-# H200, and ran 415.8 images/s at 64 against 393.7 at 32 (benchmarks/NOTES.md v10); larger batches are unmeasured.
+# H200; the bare encoder ran 415.8 images/s at 64 against 393.7 at 32 (benchmarks/NOTES.md v10), the stage 402-409
+# against 382.0 (v11). Larger batches are unmeasured.
 CPU_BATCH = 8
 AUTO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
 ENCODER_GIB_PER_MEGAPIXEL = 20.3 / 64 / 0.25  # bf16; float32 activations take twice that
