@@ -142,7 +142,7 @@ def _encoder(vae, device: str, mode: str, batch_size: int, jobs: list[dict]):
 
 
 # `latents.batch_size: auto`. SD's encoder at 512 px in bf16 peaked at 10.2 GiB at batch 32 and 20.3 at 64 on an
-# H200; the bare encoder ran 415.8 images/s at 64 against 393.7 at 32 (benchmarks/NOTES.md v10), the stage 402-409
+# H200; the bare encoder ran 415.8 images/s at 64 against 393.7 at 32 (benchmarks/NOTES.md v10), the stage 402-410
 # against 382.0 (v11). Larger batches are unmeasured.
 CPU_BATCH = 8
 AUTO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
