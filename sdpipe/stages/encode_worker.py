@@ -99,7 +99,7 @@ def _load_vae(device: str, settings: dict):
                             device=device), compute
 
 
-# On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-409 images/s against eager's 184
+# On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-410 images/s against eager's 184
 # (benchmarks/NOTES.md v5, v7, v11): it pays from about 7,000-10,000 images per process on.
 COMPILE_MIN_IMAGES = 8000
 
