@@ -25,7 +25,9 @@ RUN pip install --upgrade pip \
     && pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY sdpipe sdpipe
-RUN pip install -c requirements/constraints.txt ".[workflow]"
+# A plain (non-editable) install, then the source goes: the workflow runs from the installed package, which ships
+# what it reads at run time (tests/test_install.py takes the same steps).
+RUN pip install -c requirements/constraints.txt ".[workflow]" && rm -rf sdpipe build
 COPY Snakefile dvc.yaml ./
 COPY workflow workflow
 COPY config config

@@ -1,8 +1,12 @@
 """Load config/config.yaml, validate it against the JSON schema, and expose it as typed dataclasses.
 
-The schema (workflow/schemas/config.schema.yaml) is the single source of truth for keys, defaults and allowed
-values; Snakemake validates against the same file when the workflow loads. The dataclasses give stage code
-attribute access and type hints.
+The schema (sdpipe/config.schema.yaml, shipped inside the package) is the single source of truth for keys, defaults
+and allowed values; the Snakefile validates through this module when the workflow loads. The dataclasses give stage
+code attribute access and type hints.
+
+One rule for files: whatever the package needs at run time is package data, read with importlib.resources, so a
+non-editable install (`pip install .`, a wheel, the Docker image) works from any project folder. The project
+folder holds only the workflow (Snakefile, workflow/, profiles/) and the user's config and data.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +24,7 @@ from jsonschema import Draft202012Validator, validators
 
 from sdpipe.errors import UserError
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA = resources.files("sdpipe") / "config.schema.yaml"
 
 Gpus = int | Literal["auto"]
 
@@ -279,8 +284,7 @@ class Config:
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict:
-    with open(SCHEMA_PATH) as f:
-        return yaml.safe_load(f)
+    return yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
 
 
 def _with_defaults(validator_class):

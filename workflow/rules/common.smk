@@ -7,7 +7,7 @@ from sdpipe.config import from_dict
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
 from sdpipe import io as sdpipe_io
 
-# Validate against workflow/schemas/config.schema.yaml before any job is planned; a bad value stops here with
+# Validate against sdpipe/config.schema.yaml before any job is planned; a bad value stops here with
 # one line naming the key, the value and what is allowed.
 try:
     CFG = from_dict(config).raw

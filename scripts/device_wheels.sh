@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Wheels for a GPU machine that has Python 3.12 with torch, transformers, accelerate and peft but no network:
+# sdpipe itself (built from this checkout, installed there as users install it) and what it and the workflow need
+# beyond that image. Writes .whl/ (git-ignored). On the machine, install only what it lacks:
+#   scripts/device_install.sh   (pip install --no-deps --target /tmp/site, then PYTHONPATH=/tmp/site)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.whl
+mkdir -p "$out"
+rm -f "$out"/sdpipe-*.whl
+python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" .
+pin() { grep -i -E "^$1==" requirements/constraints.txt | head -n 1 || echo "$1"; }
+packages=(
+  diffusers open-clip-torch ftfy wcwidth torch-fidelity rich markdown-it-py mdurl pygments
+  jsonschema jsonschema-specifications referencing rpds-py attrs
+  matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six
+  snakemake snakemake-interface-common snakemake-interface-executor-plugins snakemake-interface-storage-plugins
+  snakemake-interface-report-plugins snakemake-interface-logger-plugins snakemake-interface-scheduler-plugins
+  platformdirs immutables configargparse connection-pool docutils gitpython gitdb smmap humanfriendly nbformat
+  fastjsonschema jupyter-core traitlets pulp tenacity smart-open wrapt tabulate throttler yte dpath conda-inject
+  sqlmodel sqlalchemy greenlet argparse-dataclass importlib-metadata zipp
+)
+specs=()
+for p in "${packages[@]}"; do specs+=("$(pin "$p")"); done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$out" "${specs[@]}"
+du -sh "$out"
