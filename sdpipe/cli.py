@@ -27,7 +27,7 @@ STAGES = {
     "benchmark": "sdpipe.stages.benchmark",
     "report": "sdpipe.stages.report",
 }
-TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "pod", "runpod", "check-config")
+TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "bench-dag", "pod", "runpod", "check-config")
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -139,6 +139,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(handler=_cmd_bench)
 
+    p = sub.add_parser("bench-dag", help="the whole DAG through `snakemake --profile runpod` on a random-init preset "
+                                         "and synthetic JPEGs, timed stage by stage (see benchmarks/)")
+    from sdpipe.bench.dag import add_arguments as dag_arguments
+
+    dag_arguments(p)
+    p.set_defaults(handler=_cmd_bench_dag)
+
     p = sub.add_parser("pod", help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
                                    "volume, run snakemake --profile runpod")
     from sdpipe import pod
@@ -156,6 +163,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_check_config)
     return parser
+
+
+def _cmd_bench_dag(args) -> int:
+    from sdpipe.bench.dag import run
+
+    return run(args)
 
 
 def _cmd_bench(args) -> int:

@@ -219,6 +219,7 @@ class VerifyConfig:
     steps: int
     guidance: float
     resolution: list[int] | None
+    device: str
     tolerance: float
 
 
@@ -251,9 +252,10 @@ class EvaluateConfig:
     seeds: list[int]
     steps: int
     guidance: float
-    batch_size: int
+    batch_size: int | Literal["auto"]
     resolution: list[int] | None
     gpus: Gpus
+    compile: str
     fid: FidConfig
     clip_score: ClipScoreConfig
 

@@ -368,7 +368,7 @@ def test_prefetched_batches_train_exactly_as_batches_loaded_in_the_loop(tmp_path
     def losses(name: str, prefetch: bool) -> tuple[list[float], list[str]]:
         run = loop.build(config.from_dict({**raw_cfg, "train": settings}), index, tmp_path / name)
         loop.resume(run)
-        run.telemetry, run.advance_bar, threads = Telemetry(run), lambda n: None, []
+        run.telemetry, run.advance_bar, threads = Telemetry(run, time.time()), lambda n: None, []
 
         def load(epoch, indices):
             threads.append(threading.current_thread().name)

@@ -163,11 +163,13 @@ def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16") 
 
     if dtype not in DTYPES:
         raise UserError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    model = str(model)
-    family, encoders = loading.pipeline_family(model), loading.load_text_stack(model).encoders
+    model, torch_dtype = str(model), DTYPES[dtype]  # loaded in the file's dtype: no fp32 copy of SDXL in memory
+    family = loading.pipeline_family(model)
+    encoders = loading.load_text_stack(model, dtype=torch_dtype).encoders
     _check_text_encoders(model, family, encoders)
-    state = original_state_dict(loading.load_unet(model), loading.load_vae(model), encoders, family)
-    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
+    state = original_state_dict(loading.load_unet(model, dtype=torch_dtype), loading.load_vae(model, dtype=torch_dtype),
+                                encoders, family)
+    state = {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
     with io.atomic_path(out) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     return Path(out)

@@ -83,9 +83,13 @@ def label(key: str) -> str:
 
 
 LABELS = {
-    "samples_per_s": "samples/s", "images_per_s": "images/s", "samples_per_s_per_gpu": "samples/s per GPU",
-    "per_gpu_samples_per_s": "samples/s per GPU", "train_samples_per_s": "training samples/s",
-    "inference_samples_per_s": "inference samples/s", "peak_memory_mb": "peak memory (MB)",
+    "samples_per_s": "samples/s (steady)", "images_per_s": "images/s", "samples_per_s_per_gpu": "samples/s per GPU",
+    "per_gpu_samples_per_s": "samples/s per GPU", "train_samples_per_s": "training samples/s (steady, after warm-up)",
+    "train_warmup_s": "training warm-up (s)", "train_compile_s": "training compile (s)",
+    "train_time_to_first_step_s": "stage start to first optimizer step (s)",
+    "inference_samples_per_s": "inference images/s (after warm-up)", "inference_load_s": "inference model loading (s)",
+    "inference_warmup_s": "inference warm-up (s)", "peak_memory_mb": "peak memory (MB)",
+    "warmup_s": "warm-up (s)", "compile_s": "compile (s)", "time_to_first_step_s": "stage start to first step (s)",
     "world_size": "processes (world size)", "global_batch_size": "global batch size",
     "per_device_batch_size": "batch size per device", "grad_accum_steps": "gradient accumulation steps",
     "fid": "FID", "clip_score": "CLIP score", "colour_accuracy": "colour accuracy", "max_abs_diff": "max |diff|",

@@ -14,7 +14,8 @@ from sdpipe.report.document import Cell, Figure, Note, Section, Table, fmt, kv_t
 from sdpipe.report.sources import Sources
 
 TRAIN_KEYS = ["mode", "device", "mixed_precision", "world_size", "per_device_batch_size", "grad_accum_steps",
-              "global_batch_size", "optimizer_steps", "epochs", "samples_seen", "peak_memory_mb", "samples_per_s",
+              "global_batch_size", "optimizer_steps", "epochs", "samples_seen", "peak_memory_mb", "compile",
+              "samples_per_s", "warmup_s", "compile_s", "time_to_first_step_s", "validation_and_checkpoint_s",
               "seconds"]
 
 

@@ -11,7 +11,8 @@ from sdpipe.report.document import Cell, Note, Section, Table, fmt, is_timing, k
 from sdpipe.report.sources import Sources
 
 KNOWN_METRICS = ("fid", "clip_score", "colour_accuracy")
-KNOWN_SCALARS = ("train_samples_per_s", "inference_samples_per_s")
+KNOWN_SCALARS = ("train_samples_per_s", "train_warmup_s", "train_compile_s", "train_time_to_first_step_s",
+                 "inference_samples_per_s", "inference_load_s", "inference_warmup_s")
 NOT_METRICS = ("scaling", "timings", "provenance")
 PACKAGES = ("sdpipe", "torch", "diffusers", "transformers", "accelerate", "peft", "open-clip-torch", "torchmetrics")
 PREPARE_KEYS = ["scanned", "accepted", "rejected", "duplicates", "train", "eval", "decoded", "reused", "warnings"]

@@ -20,7 +20,11 @@ log = logging.getLogger(__name__)
 INPUTS = {"model": "results/export/diffusers", "manifest": "results/prepare/manifest.jsonl",
           "train_summary": "results/train/summary.json", "scaling": "results/benchmark/scaling.json"}
 OUTPUTS = {"metrics": "results/evaluate/metrics.json", "samples": "results/evaluate/samples"}
-TIMINGS = ["train_samples_per_s", "inference_samples_per_s", "scaling"]
+TIMINGS = ["train_samples_per_s", "train_warmup_s", "train_compile_s", "train_time_to_first_step_s",
+           "inference_samples_per_s", "inference_load_s", "inference_warmup_s", "scaling"]
+# Sampling compiles the UNet's blocks (sdpipe.models.regions) only when it renders at least this many images per
+# GPU: below it the compile costs more than it saves (NOTES v12, SD 1.5 on an H200).
+COMPILE_FROM_IMAGES = 256
 
 
 def jobs_for(cfg, folder: Path) -> list[dict]:
@@ -53,13 +57,31 @@ def render(cfg, model: Path, folder: Path) -> tuple[list[dict], dict]:
     folder.mkdir(parents=True)
     e = cfg.evaluate
     height, width = e.resolution or [cfg.prepare.buckets.resolution] * 2
+    jobs, devices = jobs_for(cfg, folder), eval_devices(cfg)
+    on_gpu = devices[0].startswith("cuda")
     settings = {"pretrained": str(model), "revision": None, "variant": None, "height": height, "width": width,
-                "steps": e.steps, "guidance": e.guidance, "batch_size": e.batch_size, "half_on_gpu": True,
-                "prediction_type": cfg.train.prediction_type}
-    jobs = jobs_for(cfg, folder)
+                "steps": e.steps, "guidance": e.guidance, "batch_size": batch_size(e.batch_size, on_gpu, height, width),
+                "half_on_gpu": True, "prediction_type": cfg.train.prediction_type,
+                "compile": sampling_compile(e.compile, on_gpu, len(jobs) / len(devices))}
     from sdpipe.generate import generate
 
-    return jobs, generate(jobs, eval_devices(cfg), "evaluation images", settings)
+    return jobs, generate(jobs, devices, "evaluation images", settings)
+
+
+def batch_size(wanted: int | str, on_gpu: bool, height: int, width: int) -> int:
+    """evaluate.batch_size, or auto: 8 on a CPU; on a GPU 16 up to 512x512 px and fewer as images grow (the UNet's
+    activations grow with the pixels; the VAE decodes one image at a time)."""
+    if wanted != "auto":
+        return int(wanted)
+    if not on_gpu:
+        return 8
+    return max(1, min(16, 16 * 512 * 512 // (height * width)))
+
+
+def sampling_compile(mode: str, on_gpu: bool, images_per_device: float) -> str:
+    if mode == "auto":
+        return "blocks" if on_gpu and images_per_device >= COMPILE_FROM_IMAGES else "eager"
+    return mode if on_gpu else "eager"
 
 
 def eval_devices(cfg) -> list[str]:
@@ -119,13 +141,17 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     metrics = quality(cfg, images, prompts, real_rows, device)
     train = io.read_json(inputs["train_summary"]) if Path(inputs["train_summary"]).is_file() else {}
     scaling = Path(inputs["scaling"]) if cfg.benchmark.gpu_counts else None  # only a benchmark of this config
-    metrics.update(train_samples_per_s=train.get("samples_per_s"), inference_samples_per_s=speed["images_per_s"],
+    metrics.update(train_samples_per_s=train.get("samples_per_s"), train_warmup_s=train.get("warmup_s"),
+                   train_compile_s=train.get("compile_s"), train_time_to_first_step_s=train.get("time_to_first_step_s"),
+                   inference_samples_per_s=speed["images_per_s"], inference_load_s=speed["load_s"],
+                   inference_warmup_s=speed["warmup_s"],
                    scaling=io.read_json(scaling)["scaling"] if scaling else None, timings=TIMINGS,
                    images=n_fake, provenance=provenance(cfg))
     write_grid(images, jobs, cfg, folder)
     io.write_json(outputs["metrics"], metrics)
-    log.info("evaluate: fid %s, clip_score %s, colour accuracy %s; %s images/s", _show(metrics["fid"]),
-             _show(metrics["clip_score"]), _show(metrics["colour_accuracy"]), speed["images_per_s"])
+    log.info("evaluate: fid %s, clip_score %s, colour accuracy %s; %s images/s after warm-up (model loading %s s, "
+             "warm-up %s s)", _show(metrics["fid"]), _show(metrics["clip_score"]), _show(metrics["colour_accuracy"]),
+             speed["images_per_s"], speed["load_s"], speed["warmup_s"])
     return metrics
 
 

@@ -4,6 +4,10 @@ Formats: a diffusers pipeline folder (StableDiffusion(XL)Pipeline.from_pretraine
 .safetensors (A1111, ComfyUI, diffusers' from_single_file) and, for LoRA runs, the LoRA in diffusers/peft and kohya
 format. Every export is reloaded with diffusers' own loader and renders the verification prompt with a fixed seed;
 that image is compared with the one the trained model itself renders, and the difference goes into the summary.
+
+The renders run on the machine's first GPU in fp16 when it has one (export.verify.device: auto), the trained
+model's reference image too, so that an export and the reference differ only by what exporting changed; on a CPU
+they run in fp32. Noise comes from a CPU generator seeded by export.verify.seed: the same image on every rerun.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 INPUTS = {"final": "results/train/final"}
 OUTPUTS = {"out": "results/export", "summary": "results/export/summary.json"}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MAX_VERIFY_SIDE = 512  # export.verify.resolution: null renders at the training resolution, at most this
 
 
 def trained_source(cfg, final: Path) -> tuple[Path, dict]:
@@ -36,9 +41,28 @@ def trained_source(cfg, final: Path) -> tuple[Path, dict]:
     return (final / "ema" if cfg.export.ema else final), info
 
 
-def trained_pipeline(cfg, source: Path, components: dict, fuse: bool):
-    """The base pipeline with the trained components in fp32: full ones replace the base's, LoRA ones are loaded
-    as adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
+def verify_device(cfg) -> tuple[str, torch.dtype]:
+    """Where verification renders, in which precision (export.verify.device)."""
+    if cfg.export.verify.device == "auto" and torch.cuda.is_available():
+        return "cuda:0", torch.float16
+    return "cpu", torch.float32
+
+
+def release(*pipes) -> None:
+    """Free a pipeline's GPU memory before the next one loads (SDXL pipelines are 7-14 GB each)."""
+    import gc
+
+    for pipe in pipes:
+        pipe.to("cpu")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def trained_pipeline(cfg, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu"):
+    """The base pipeline with the trained components: full ones replace the base's, LoRA ones are loaded as
+    adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
     from diffusers import UNet2DConditionModel
 
     from sdpipe.models.pipeline import load_pipeline
@@ -46,11 +70,11 @@ def trained_pipeline(cfg, source: Path, components: dict, fuse: bool):
     parts = {}
     for name, mode in components.items():
         if mode == "full" and name == "unet":
-            parts[name] = UNet2DConditionModel.from_pretrained(source / name)
+            parts[name] = UNet2DConditionModel.from_pretrained(source / name, torch_dtype=dtype)
         elif mode == "full":
-            parts[name] = _text_class(cfg, name).from_pretrained(source / name)
+            parts[name] = _text_class(cfg, name).from_pretrained(source / name, torch_dtype=dtype)
     # The trained objective goes into the scheduler config, so the exported pipeline samples with it.
-    pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
+    pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device, dtype,
                          prediction_type=cfg.train.prediction_type, **parts)
     if "lora" in components.values():
         pipe.load_lora_weights(str(source))
@@ -70,10 +94,27 @@ def _text_class(cfg, name: str):
 def render(cfg, pipe) -> np.ndarray:
     """The verification image: one prompt, one seed, CPU generator, as uint8 RGB."""
     v = cfg.export.verify
-    size = v.resolution or [cfg.prepare.buckets.resolution] * 2
+    size = v.resolution or [min(cfg.prepare.buckets.resolution, MAX_VERIFY_SIDE)] * 2
     image = pipe(v.prompt, height=size[0], width=size[1], num_inference_steps=v.steps, guidance_scale=v.guidance,
                  generator=torch.Generator(device="cpu").manual_seed(v.seed)).images[0]
     return np.asarray(image.convert("RGB"))
+
+
+def render_once(cfg, pipe) -> np.ndarray:
+    """render(), then the pipeline's memory is freed."""
+    try:
+        return render(cfg, pipe)
+    finally:
+        release(pipe)
+
+
+def check_reference(image: np.ndarray) -> None:
+    """A reference of one flat colour (a NaN in half precision renders black) would match any other flat image:
+    verification could not tell a broken export from a good one."""
+    if int(image.max()) == int(image.min()):
+        raise UserError(f"the trained model renders a flat image (every pixel {int(image.max())}) for "
+                        "export.verify.prompt, so the exports cannot be verified against it; if it renders black on "
+                        "a GPU, try export.verify.device: cpu (fp32) to see whether fp16 overflows")
 
 
 def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: float, out: Path, **details) -> dict:
@@ -95,28 +136,32 @@ def export_diffusers(cfg, pipe, out: Path, dtype: str) -> Path:
         shutil.rmtree(folder)
     with io.atomic_dir(folder) as tmp:
         pipe.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
-    pipe.to(torch.float32)
+    release(pipe)
     return folder
 
 
 def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dict:
     from sdpipe.models.pipeline import load_pipeline
 
-    pipe = load_pipeline(str(folder), prediction_type=cfg.train.prediction_type)  # fp32 on the CPU
-    return compare("diffusers", render(cfg, pipe), reference, cfg.export.verify.tolerance, out, path=str(folder),
-                   loader=f"{type(pipe).__name__}.from_pretrained")
+    device, dtype = verify_device(cfg)
+    pipe = load_pipeline(str(folder), device=device, dtype=dtype, prediction_type=cfg.train.prediction_type)
+    loader = f"{type(pipe).__name__}.from_pretrained"
+    return compare("diffusers", render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
+                   path=str(folder), loader=loader)
 
 
 def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, family: str) -> dict:
     from sdpipe.export.single_file import export_single_file, load_single_file
 
+    device, dtype = verify_device(cfg)
     path = export_single_file(folder, out / "model.safetensors", cfg.export.dtype)
-    pipe = load_single_file(path, folder, family)
+    pipe = load_single_file(path, folder, family, dtype).to(device)
     if cfg.train.prediction_type:
         pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
     pipe.set_progress_bar_config(disable=True)
-    return compare("single_file", render(cfg, pipe), reference, cfg.export.verify.tolerance, out, path=str(path),
-                   loader=f"{type(pipe).__name__}.from_single_file")
+    loader = f"{type(pipe).__name__}.from_single_file"
+    return compare("single_file", render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
+                   path=str(path), loader=loader)
 
 
 def export_loras(cfg, source: Path, reference: np.ndarray, out: Path) -> dict:
@@ -129,12 +174,13 @@ def export_loras(cfg, source: Path, reference: np.ndarray, out: Path) -> dict:
     with io.atomic_path(folder / "pytorch_lora_weights.safetensors") as tmp:
         shutil.copy2(source / "pytorch_lora_weights.safetensors", tmp)
     kohya = export_kohya(folder, out / "lora_kohya.safetensors", cfg.model.pretrained)
+    device, dtype = verify_device(cfg)
     results = {}
     for name, path in (("lora", folder), ("lora_kohya", kohya)):
-        pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
+        pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device, dtype,
                              prediction_type=cfg.train.prediction_type)
         pipe.load_lora_weights(str(path))
-        results[name] = compare(name, render(cfg, pipe), reference, cfg.export.verify.tolerance, out,
+        results[name] = compare(name, render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
                                 path=str(path), loader="load_lora_weights")
     return results
 
@@ -147,7 +193,10 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         from sdpipe.export.lora import check_lora_matches
 
         check_lora_matches(source, cfg.model.pretrained)  # before any rendering
-    reference = render(cfg, trained_pipeline(cfg, source, components, fuse=False))
+    device, dtype = verify_device(cfg)
+    log.info("export: verification renders on %s in %s", device, str(dtype).removeprefix("torch."))
+    reference = render_once(cfg, trained_pipeline(cfg, source, components, fuse=False, dtype=dtype, device=device))
+    check_reference(reference)
     compare("trained", reference, reference, e.verify.tolerance, out)
     folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out, e.dtype)
     formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
@@ -156,7 +205,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     if "lora" in components.values():
         formats.update(export_loras(cfg, source, reference, out))
     summary = {"source": str(source), "components": components, "dtype": e.dtype, "ema": e.ema,
-               "verify": vars(e.verify), "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
+               "verify": {**vars(e.verify), "rendered_on": device, "render_dtype": str(dtype).removeprefix("torch.")}, "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
     io.write_json(outputs["summary"], summary)
     for name, result in formats.items():
         log.info("export %s: %s (mean |diff| %.3f, max %d RGB levels) %s", name, result["path"],

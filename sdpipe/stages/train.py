@@ -147,7 +147,18 @@ def _gpu_ids(local: int) -> str | None:
     return ",".join(ids[:local])
 
 
+def compile_cache_env(cfg) -> dict[str, str]:
+    """torch.compile's caches in the project's cache_dir (on a pod, the volume), unless the environment already
+    names them: a second run, or a restarted pod, finds the compiled kernels and starts in seconds."""
+    root = Path(cfg.cache_dir).resolve() / "torch-compile"
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton"}
+    return {k: str(v) for k, v in wanted.items() if not os.environ.get(k)}
+
+
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+    import time
+
+    started = time.time()
     out, summary = Path(outputs["out"]), Path(outputs["summary"])
     world = num_processes(cfg)
     preflight(cfg, Path(inputs["index"]), out, world)
@@ -155,7 +166,9 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     io.write_yaml(config_path, cfg.raw)
     cmd = launch_command(cfg, world, config_path, Path(inputs["index"]), out, summary)
     log.info("launching %d training process(es): %s", world, " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from sdpipe.train.loop import STARTED_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", STARTED_ENV: str(started), **compile_cache_env(cfg)}
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0 and world > 1:
         # The launcher ends every process once one fails, so a dead rank cannot leave the others waiting.

@@ -22,7 +22,7 @@ from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
-                                 build_unet, save_final, trainable, training_forward)
+                                 build_unet, compile_mode, save_final, trainable, training_forward)
 from sdpipe.train.prefetch import Prefetcher
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry, check_finite
@@ -309,11 +309,12 @@ def train_epoch(run: Run) -> bool:
         optimizer_step(run)
         run.telemetry.step(run, loss_sum, samples, step_samples)
         run.advance_bar(1)
-        maybe_validate(run)
-        every = run.cfg.train.checkpoint_every
-        if every and (run.step % every == 0 or finished(run)):
-            check_finite(run, run.telemetry.window_loss())  # never checkpoint a diverged model
-            save_checkpoint(run)
+        with run.telemetry.paused():
+            maybe_validate(run)
+            every = run.cfg.train.checkpoint_every
+            if every and (run.step % every == 0 or finished(run)):
+                check_finite(run, run.telemetry.window_loss())  # never checkpoint a diverged model
+                save_checkpoint(run)
         if finished(run):
             return True
     return False
@@ -327,6 +328,8 @@ def finished(run: Run) -> bool:
 
 
 def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -> None:
+    """The run's plan, its steady rate and, each under its own name, warm-up, compile and first-step seconds
+    (sdpipe.train.telemetry). `seconds` is the training loop's wall time, everything included."""
     if not run.accelerator.is_main_process:
         return
     p = run.plan
@@ -334,8 +337,8 @@ def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -
                "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
                "optimizer_steps": run.step, "epochs": p.epochs, "epochs_started": run.state.epoch + 1,
                "samples_seen": run.state.samples_seen_total, "samples_this_run": samples_this_run,
-               "seconds": round(seconds, 3), "samples_per_s": round(samples_this_run / seconds, 3) if seconds else None,
-               "mode": run.cfg.train.mode, "mixed_precision": run.cfg.train.mixed_precision,
+               "seconds": round(seconds, 3), **run.telemetry.rates(),
+               "compile": compile_mode(run.cfg, run.accelerator.device), "mode": run.cfg.train.mode, "mixed_precision": run.cfg.train.mixed_precision,
                "prediction_type": run.prediction_type, "device": str(run.accelerator.device),
                "peak_memory_mb": run.telemetry.peak_memory_mb(), "cuda_alloc_retries": run.telemetry.alloc_retries()}
     io.write_json(path, summary)
@@ -350,6 +353,17 @@ def warn_about_alloc_retries(run: Run) -> None:
                     "train.per_device_batch_size avoids it", retries, run.step)
 
 
+STARTED_ENV = "SDPIPE_STAGE_STARTED"  # `sdpipe train` sets it (time.time()) before it launches this process
+
+
+def stage_started(default: float) -> float:
+    """When the training stage started: the launching command's time, else `default`."""
+    import os
+
+    value = os.environ.get(STARTED_ENV)
+    return float(value) if value else default
+
+
 def main(argv: list[str] | None = None) -> int:
     from sdpipe.log import setup_logging
 
@@ -360,13 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="results/train: checkpoints, metrics, final weights")
     parser.add_argument("--summary", required=True)
     args = parser.parse_args(argv)
+    started = stage_started(time.time())
     setup_logging()
     try:
         run = build(config.load(args.config, args.set), Path(args.index), Path(args.out))
         if not run.accelerator.is_main_process:
             logging.getLogger().setLevel(logging.WARNING)
         resume(run)
-        run.telemetry = Telemetry(run)
+        run.telemetry = Telemetry(run, started)
         log.info("\n%s", accounting.summary_block(run.plan))
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
         todo = run.plan.total_optimizer_steps - run.step

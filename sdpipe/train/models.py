@@ -57,12 +57,20 @@ def build_unet(cfg, device):
     return unet
 
 
-def compiles(cfg, device) -> bool:
-    """`train.compile: auto` compiles on a GPU and not on a CPU, where compiling costs more than a short run gains.
-    SD 1.5 on an H200 (benchmarks/NOTES.md): torch.compile alone made the step 1.35x the eager baseline; with the
-    layers of `prepare_for_gpu_compile`, 1.49x at batch 64."""
+def compile_mode(cfg, device) -> str:
+    """What `train.compile` means on this device: "blocks" (each UNet block compiled on its own), "whole" (the
+    UNet as one graph) or "eager". `auto` is "blocks" on a GPU and eager on a CPU, where compiling costs more than
+    a short run gains. SD 1.5 on an H200 (benchmarks/NOTES.md): the whole UNet compiled reached 1.49x the eager
+    baseline's step at batch 64 with the layers of `prepare_for_gpu_compile`, but spent 3-4 minutes compiling
+    before its first step; the blocks compile in a fraction of that (NOTES v12)."""
     mode = cfg.train.compile
-    return mode == "compiled" or (mode == "auto" and device.type == "cuda")
+    if mode == "auto":
+        return "blocks" if torch.device(device).type == "cuda" else "eager"
+    return {"compiled": "whole"}.get(mode, mode)
+
+
+def compiles(cfg, device) -> bool:
+    return compile_mode(cfg, device) != "eager"
 
 
 def prepare_for_gpu_compile(cfg, unet, device) -> None:
@@ -80,10 +88,15 @@ def prepare_for_gpu_compile(cfg, unet, device) -> None:
 
 
 def training_forward(cfg, unet, device):
-    """The callable the training step runs the UNet through: compiled when `compiles` says so. Only the training
-    step is compiled: validation and saving use `unet` itself, so sampling triggers no second compile. A new
-    bucket shape recompiles once; after that, shapes are dynamic."""
-    return torch.compile(unet) if compiles(cfg, torch.device(device)) else unet
+    """The callable the training step runs the UNet through. Only the training step is compiled: validation and
+    saving use `unet` itself, so sampling triggers no second compile. "whole": a new bucket shape recompiles the
+    UNet once, after that shapes are dynamic; "blocks": each block shape compiles once (sdpipe.models.regions)."""
+    from sdpipe.models.regions import compile_regions
+
+    mode = compile_mode(cfg, device)
+    if mode == "whole":
+        return torch.compile(unet)
+    return compile_regions(unet) if mode == "blocks" else unet
 
 
 def build_text_stack(cfg, device):

@@ -20,6 +20,8 @@ rule export:
         model=USE_MODEL,
         out=lambda wildcards, output: str(Path(output.summary).parent),
         settings={"export": CFG["export"], "model": CFG["model"], "prediction": CFG["train"]["prediction_type"]},
+    resources:
+        gpu=min(1, GPU_LIMIT),  # verification renders on the first GPU (export.verify.device: auto)
     shell:
         "sdpipe export --config {params.config} {params.model} --final {input.final} --out {params.out} "
         "--summary {output.summary} > {log} 2>&1"
@@ -92,6 +94,8 @@ rule report:
         "../envs/sdpipe.yaml"
     log:
         "logs/report.log",
+    benchmark:
+        "benchmarks/report.tsv"
     shell:
         "sdpipe report --config {input.resolved_config} --resolved-config {input.resolved_config} --prepare {input.prepare} --captions {input.captions} "
         "--latents {input.latents} --manifest {input.manifest} --train-summary {input.train_summary} "

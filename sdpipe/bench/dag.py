@@ -1,0 +1,241 @@
+"""`sdpipe bench-dag`: the whole DAG as a user runs it on a pod, timed stage by stage.
+
+Each job gets a project folder seeded the way `sdpipe pod` seeds one (the workflow files only, no sdpipe/ source:
+the commands come from the installed package), a complete config written where a user writes theirs
+(config/config.yaml), synthetic photo-like JPEGs with sidecar captions in data/raw and a random-init preset saved
+like a user's checkpoint in models/. Then `snakemake --profile runpod` runs every stage. The preset and the images
+are made before the clock starts: a user has both already.
+
+Per-stage wall times come from the rules' Snakemake benchmark files; the DAG's own wall time from the command.
+Training's steady rate, warm-up, compile and first-step times come from its summary; a second, short training run
+in the same project then shows the start with the compile caches warm (they live in the project's cache/).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from sdpipe import io
+from sdpipe.errors import UserError
+
+log = logging.getLogger("sdpipe.bench")
+PROMPTS = ["a photo of a red balloon over a lake", "a watercolour painting of a lighthouse",
+           "a close-up photo of a green apple on a table", "an oil painting of mountains at sunset"]
+
+
+@dataclass(frozen=True)
+class Job:
+    preset: str
+    resolution: int
+    images: int
+    mode: str  # full | lora
+    batch: int
+    steps: int
+    learning_rate: float
+    eval_images: int
+
+
+JOBS = {
+    "sd15-full": Job("sd15", 512, 2048, "full", 32, 1000, 1e-5, 64),
+    "sd15-lora": Job("sd15", 512, 2048, "lora", 32, 1000, 1e-4, 64),
+    "sdxl-lora": Job("sdxl", 1024, 512, "lora", 8, 300, 1e-4, 16),
+    "tiny": Job("tiny", 32, 48, "full", 8, 12, 1e-4, 4),  # a CPU smoke run of the same path (tests)
+}
+
+
+def job_config(job: Job) -> dict:
+    """A complete config for the job, with the settings a user of that job would pick."""
+    step = 8 if job.preset == "tiny" else 64
+    seeds = max(1, job.eval_images // len(PROMPTS))
+    return {
+        "seed": 0, "cache_dir": "cache", "data": {"raw_dir": "data/raw"},
+        "model": {"pretrained": f"models/{job.preset}", "build_preset": None, "train_vae": {"enabled": False}},
+        "prepare": {"min_size": min(256, job.resolution), "eval_fraction": 0.05,
+                    "buckets": {"resolution": job.resolution, "step": step}},
+        "caption": {"chain": ["sidecar", "template"]},
+        "latents": {"dtype": "bf16"},
+        "train": {"mode": job.mode, "per_device_batch_size": job.batch, "max_steps": job.steps,
+                  "learning_rate": job.learning_rate, "lr_scheduler": "constant", "lr_warmup_steps": 0,
+                  "mixed_precision": "bf16", "text_encoder": {"mode": "none"}, "checkpoint_every": 500,
+                  "keep_checkpoints": 1, "log_every": 10,
+                  "validation": {"every": job.steps, "prompts": PROMPTS[:2], "seeds": [0], "steps": 20,
+                                 "guidance": 5.0},
+                  "lora": {"rank": 16, "alpha": 16}},
+        "evaluate": {"prompts": PROMPTS, "seeds": list(range(seeds)), "steps": 20, "guidance": 5.0},
+    }
+
+
+def make_project(job: Job, folder: Path, source: Path, images: int) -> dict:
+    """Seed the project, write the images, captions, config and model; return the seconds each took."""
+    from sdpipe import pod
+    from sdpipe.bench.pipeline import sdpipe, write_jpegs
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    pod.seed_project(folder, source)
+    start = time.perf_counter()
+    raw = write_jpegs(folder / "data" / "raw", images, job.resolution)
+    for i, image in enumerate(sorted(raw.glob("*.jpg"))):
+        image.with_suffix(".txt").write_text(f"a photo of coloured circles, picture {i}\n")
+    made_images = time.perf_counter()
+    io.write_yaml(folder / "config" / "config.yaml", job_config(job))
+    sdpipe("build-model", "--preset", job.preset, "--out", str(folder / "models" / job.preset))
+    return {"images_s": round(made_images - start, 3), "model_s": round(time.perf_counter() - made_images, 3)}
+
+
+def run_snakemake(project: Path, logfile: Path, extra: list[str]) -> float:
+    """`snakemake --profile runpod` in the project; its wall seconds. A failure is one line naming the log."""
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "runpod", *extra]
+    # the rules call `sdpipe`: this interpreter's scripts first, as in a venv the user activated
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    start = time.perf_counter()
+    with open(logfile, "w") as f:
+        rc = subprocess.run(cmd, cwd=project, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    wall = time.perf_counter() - start
+    if rc:
+        tail = "".join(logfile.read_text().splitlines(keepends=True)[-40:])
+        sys.stderr.write(tail)
+        raise UserError(f"snakemake --profile runpod failed (exit {rc}) in {project}; log: {logfile}")
+    return wall
+
+
+def stage_seconds(project: Path) -> dict[str, float]:
+    """Wall seconds of each rule that ran, from its Snakemake benchmark file (benchmarks/<rule>.tsv)."""
+    out = {}
+    for tsv in sorted((project / "benchmarks").glob("*.tsv")):
+        with open(tsv, newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t"))
+        if rows:
+            out[tsv.stem] = round(float(rows[-1]["s"]), 3)
+    return out
+
+
+def warm_start(project: Path, steps: int = 20) -> dict:
+    """A second, short training run of the same config into another folder: its first step with the compile
+    caches the first run left in the project's cache/."""
+    out = project / "results" / "warm-start"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "sdpipe", "train", "--config", "results/config.resolved.yaml",
+           "--set", f"train.max_steps={steps}", "--set", "train.resume=null", "--set", "train.checkpoint_every=0",
+           "--set", "train.validation.every=0", "--set", "train.save_final=false", "--set", "train.log_every=5",
+           "--index", "results/latents/index.json", "--out", str(out), "--summary", str(out / "summary.json")]
+    start = time.perf_counter()
+    subprocess.run(cmd, cwd=project, check=True, capture_output=True)
+    summary = io.read_json(out / "summary.json")
+    return {"steps": steps, "stage_s": round(time.perf_counter() - start, 3),
+            **{k: summary.get(k) for k in ("time_to_first_step_s", "compile_s", "warmup_s", "samples_per_s")}}
+
+
+def collect(project: Path, wall: float) -> dict:
+    """The numbers of one finished DAG."""
+    stages = stage_seconds(project)
+    train = io.read_json(project / "results" / "train" / "summary.json")
+    metrics = io.read_json(project / "results" / "evaluate" / "metrics.json")
+    export = io.read_json(project / "results" / "export" / "summary.json")
+    latents = io.read_json(project / "results" / "latents" / "summary.json")
+    other = sum(v for k, v in stages.items() if k != "train")
+    return {
+        "dag_s": round(wall, 3), "stages_s": stages, "snakemake_overhead_s": round(wall - sum(stages.values()), 3),
+        "non_training_share": round((wall - stages.get("train", 0.0)) / wall, 4), "other_stages_s": round(other, 3),
+        "train": {k: train.get(k) for k in ("optimizer_steps", "global_batch_size", "compile", "samples_per_s",
+                                            "warmup_s", "compile_s", "time_to_first_step_s",
+                                            "validation_and_checkpoint_s", "seconds", "peak_memory_mb")},
+        "latents": {k: latents.get(k) for k in ("items", "encoded", "images_per_s", "batch_sizes", "seconds")},
+        "export": {name: {k: f[k] for k in ("verified", "mean_abs_diff", "max_abs_diff")}
+                   for name, f in export["formats"].items()} | {"rendered_on": export["verify"].get("rendered_on")},
+        "evaluate": {"images": metrics.get("images"), "images_per_s": metrics.get("inference_samples_per_s"),
+                     "load_s": metrics.get("inference_load_s"), "warmup_s": metrics.get("inference_warmup_s"),
+                     "fid": metrics["fid"], "clip_score": metrics["clip_score"]},
+    }
+
+
+def run_job(name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str]) -> dict:
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    log.info("bench-dag %s: making the project (%d images at %d px, preset %s)", name, job.images, job.resolution,
+             job.preset)
+    setup = make_project(job, folder / "project", source, job.images)
+    log.info("bench-dag %s: snakemake --profile runpod", name)
+    wall = run_snakemake(folder / "project", folder / "snakemake.log", extra)
+    result = {"job": asdict(job), "setup_s": setup, **collect(folder / "project", wall)}
+    if warm:
+        result["warm_start"] = warm_start(folder / "project")
+    log.info("bench result: %s %s", name, result)
+    return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--job", action="append", choices=sorted(JOBS), help="sd15-full (default), sd15-lora, sdxl-lora, "
+                                                                        "tiny (a CPU smoke run); repeatable")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the job's)")
+    p.add_argument("--images", type=int, help="JPEGs to make (default: the job's)")
+    p.add_argument("--source", help="the workflow files to seed projects from: a checkout or the image's project "
+                                    "(default: $SDPIPE_IMAGE_PROJECT, else the current folder)")
+    p.add_argument("--work", default="/tmp/sdpipe-dag", help="scratch: one project folder per job")
+    p.add_argument("--no-warm-start", action="store_true", help="skip the second, short training run")
+    p.add_argument("--skip-dag", action="store_true", help="make the projects and run only --baseline-script")
+    p.add_argument("--baseline-script", type=Path, help="diffusers' train_text_to_image.py, to run on each sd15 "
+                                                        "job's images and model after its DAG")
+    p.add_argument("--baseline-steps", type=int, help="steps of that run (default: the job's; fewer are projected)")
+    p.add_argument("--snakemake-arg", action="append", default=[], help="passed on to snakemake; repeatable")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="dag", help="results file stem")
+    p.add_argument("--commit", help="the code's git commit, when the tree has no .git")
+
+
+def _jobs(args) -> dict[str, Job]:
+    from dataclasses import replace
+
+    jobs = {}
+    for name in args.job or ["sd15-full"]:
+        job = JOBS[name]
+        jobs[name] = replace(job, steps=args.steps or job.steps, images=args.images or job.images)
+    return jobs
+
+
+def _source(args) -> Path:
+    source = Path(args.source or os.environ.get("SDPIPE_IMAGE_PROJECT") or ".")
+    if not (source / "Snakefile").is_file():
+        raise UserError(f"{source} has no Snakefile: pass --source, the folder holding the workflow files")
+    return source.resolve()
+
+
+def run(args) -> int:
+    from sdpipe.bench import dag_report, peer
+    from sdpipe.bench.report import provenance
+
+    logging.getLogger("sdpipe").setLevel(logging.INFO)
+    work, source = Path(args.work), _source(args)
+    results = {"meta": provenance(args.commit), "jobs": {}}
+    for name, job in _jobs(args).items():
+        if args.skip_dag:
+            res = {"job": asdict(job), "setup_s": make_project(job, work / name / "project", source, job.images)}
+        else:
+            res = run_job(name, job, work, source, not args.no_warm_start, args.snakemake_arg)
+        if args.baseline_script and job.preset == "sd15":
+            res["baseline"] = peer.run(args.baseline_script.resolve(), work / name / "project", job, work / name,
+                                       args.baseline_steps or job.steps)
+            log.info("bench result: %s baseline %s", name, res["baseline"])
+        results["jobs"][name] = res
+        _save(results, Path(args.out), args.name, dag_report)
+    print(_save(results, Path(args.out), args.name, dag_report))
+    return 0
+
+
+def _save(results: dict, out: Path, stem: str, dag_report) -> str:
+    """JSON and Markdown after every job: a later job's failure keeps the earlier ones' numbers."""
+    text = dag_report.markdown(results) if all("dag_s" in r for r in results["jobs"].values()) else ""
+    io.write_json(out / f"{stem}.json", results)
+    if text:
+        io.write_text(out / f"{stem}.md", text + "\n")
+    return text

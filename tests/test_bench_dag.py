@@ -1,0 +1,48 @@
+"""`sdpipe bench-dag` on the CPU: the whole DAG through `snakemake --profile runpod` in a seeded project, and the
+per-stage wall times, steady rates and the warm start it reports (the GPU numbers come from the same code)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sdpipe.bench import dag_report, peer
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "bench-dag", "--job", "tiny", "--steps", "6", "--work",
+                           str(tmp_path / "work"), "--out", str(out), "--source", str(REPO), "--name", "dag-test"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "dag-test.json").read_text())["jobs"]["tiny"]
+    assert set(res["stages_s"]) == set(dag_report.STAGES)  # every stage ran
+    assert sum(res["stages_s"].values()) + res["snakemake_overhead_s"] == pytest.approx(res["dag_s"], abs=1e-2)
+    assert 0 < res["non_training_share"] < 1
+    t = res["train"]
+    assert t["optimizer_steps"] == 6 and t["compile"] == "eager" and t["samples_per_s"] > 0
+    assert 0 < t["time_to_first_step_s"] < res["stages_s"]["train"]
+    assert res["warm_start"]["time_to_first_step_s"] > 0
+    assert all(f["verified"] for k, f in res["export"].items() if isinstance(f, dict))
+    assert res["evaluate"]["images"] == 4 and res["evaluate"]["fid"]["value"] is None  # no weights here: null
+    table = (out / "dag-test.md").read_text()
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:len(dag_report.STAGES) + 1]
+    assert rows == list(dag_report.STAGES), rows  # in the DAG's order
+    assert "| **whole DAG** |" in table
+    project = tmp_path / "work" / "tiny" / "project"
+    assert not (project / "sdpipe").exists() and (project / "models" / "tiny" / "model_index.json").is_file()
+
+
+def test_the_peer_scripts_progress_bar_gives_start_up_and_steady_rate():
+    # (step, seconds since start): 20 s before step 1, then 0.5 s a step, the final save 12 s.
+    stamps = [(0, 5.0)] + [(s, 20.0 + 0.5 * (s - 1)) for s in range(1, 101)]
+    t = peer.timings(wall=stamps[-1][1] + 12.0, stamps=stamps, batch=32, steps=100, projected_steps=1000)
+    assert t["startup_s"] == 20.0 and t["samples_per_s"] == pytest.approx(64.0) and t["tail_s"] == 12.0
+    assert t["projected"] and t["projected_s"] == pytest.approx(20.0 + 999 * 0.5 + 12.0)
+    assert peer.BAR.findall(b"\rSteps:  45%|####5     | 450/1000 [02:10<02:39,  3.45it/s, lr=1e-05]") == [
+        (b"450", b"1000")]
