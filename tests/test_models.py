@@ -158,18 +158,21 @@ def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
         loading.load_text_stack("nobody-sdpipe-test/not-a-model")  # a hub id not in the cache: no download tried
 
 
-@pytest.mark.parametrize("mode, device, compiled", [
-    ("auto", "cpu", False), ("auto", "cuda", True), ("eager", "cuda", False), ("compiled", "cpu", True)])
-def test_training_forward_compiles_where_configured(mode, device, compiled):
-    """train.compile: auto compiles on GPUs only; torch.compile is lazy, so nothing is compiled here."""
+@pytest.mark.parametrize("mode, device, kind", [
+    ("auto", "cpu", "eager"), ("auto", "cuda", "blocks"), ("blocks", "cpu", "blocks"), ("eager", "cuda", "eager"),
+    ("compiled", "cpu", "whole")])
+def test_training_forward_compiles_where_configured(tiny_model, mode, device, kind):
+    """train.compile: auto compiles each block on GPUs, nothing on a CPU; torch.compile is lazy, so nothing is
+    compiled here."""
     from types import SimpleNamespace
 
     from sdpipe.train.models import training_forward
 
-    unet = torch.nn.Linear(2, 2)
+    unet = loading.load_unet(str(tiny_model))
     forward = training_forward(SimpleNamespace(train=SimpleNamespace(compile=mode)), unet, torch.device(device))
-    assert (forward is not unet) == compiled
-    assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule) == compiled
+    got = ("whole" if isinstance(forward, torch._dynamo.eval_frame.OptimizedModule)
+           else "blocks" if hasattr(forward, "regions") else "eager" if forward is unet else "?")
+    assert got == kind
 
 
 @pytest.mark.parametrize("mode, device, prepared", [("auto", "cuda", True), ("compiled", "cpu", False),

@@ -52,8 +52,14 @@ def release(*pipes) -> None:
     """Free a pipeline's GPU memory before the next one loads (SDXL pipelines are 7-14 GB each)."""
     import gc
 
+    from diffusers.utils import logging as dlog
+
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()  # diffusers warns that an fp16 pipeline cannot run on the CPU: it will not
     for pipe in pipes:
-        pipe.to("cpu")
+        if pipe.device.type != "cpu":
+            pipe.to("cpu")
+    dlog.set_verbosity(level)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
