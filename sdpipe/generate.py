@@ -21,18 +21,12 @@ def _batches(jobs: list[dict], size: int) -> list[list[dict]]:
 
 
 def speed_up(pipe, device: str, compile_mode: str = "eager") -> None:
-    """What makes sampling fast on a GPU, none of which changes what is computed beyond rounding: channels-last
-    convolutions with cuDNN's autotuner, fused q/k/v projections, the VAE decoding one image at a time (its
-    activations at full resolution dominate the memory, and one image already fills the GPU), and optionally
-    each UNet block compiled (sdpipe.models.regions)."""
-    import torch
-
+    """On a GPU: the VAE decodes one image at a time (its full-resolution activations dominate the memory, and one
+    image already fills the GPU) and, optionally, each UNet block is compiled (sdpipe.models.regions). Channels-last
+    layers, fused q/k/v projections and cuDNN's autotuner were measured too and gained nothing for SD 1.5 at 512 px
+    on an H200 (benchmarks/NOTES.md v12), so they are not used."""
     if not device.startswith("cuda"):
         return
-    torch.backends.cudnn.benchmark = True
-    pipe.unet.to(memory_format=torch.channels_last)
-    pipe.vae.to(memory_format=torch.channels_last)
-    pipe.fuse_qkv_projections()
     pipe.vae.enable_slicing()
     if compile_mode == "blocks":
         from sdpipe.models.regions import CompiledRegions

@@ -159,11 +159,11 @@ def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode, device, kind", [
-    ("auto", "cpu", "eager"), ("auto", "cuda", "blocks"), ("blocks", "cpu", "blocks"), ("eager", "cuda", "eager"),
+    ("auto", "cpu", "eager"), ("auto", "cuda", "whole"), ("blocks", "cpu", "blocks"), ("eager", "cuda", "eager"),
     ("compiled", "cpu", "whole")])
 def test_training_forward_compiles_where_configured(tiny_model, mode, device, kind):
-    """train.compile: auto compiles each block on GPUs, nothing on a CPU; torch.compile is lazy, so nothing is
-    compiled here."""
+    """train.compile picks the callable; an undecided auto (resolve_compile decides it for a run) compiles the
+    whole UNet on GPUs, nothing on a CPU. torch.compile is lazy, so nothing is compiled here."""
     from types import SimpleNamespace
 
     from sdpipe.train.models import training_forward
@@ -195,3 +195,17 @@ def test_a_compiled_gpu_step_gets_the_channels_last_layers(mode, device, prepare
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last) == prepared
     assert isinstance(model[1], ChannelStatGroupNorm) == prepared
     assert isinstance(model[0], ChannelsLastInputConv2d) == prepared
+
+
+@pytest.mark.parametrize("device, samples, decided", [("cuda", 32_000, "eager"), ("cuda", 200_000, "compiled"),
+                                                       ("cpu", 10**7, "eager")])
+def test_auto_compiles_only_runs_long_enough_to_repay_it(device, samples, decided):
+    """1000 steps at batch 32 (the issue's sd15 run) stay eager: a cold compile costs more than it saves."""
+    from sdpipe import config
+    from sdpipe.train.models import resolve_compile
+
+    cfg = config.from_dict({})
+    resolved = resolve_compile(cfg, torch.device(device), samples)
+    assert resolved.train.compile == decided and resolved.raw is cfg.raw
+    explicit = config.from_dict({"train": {"compile": "blocks"}})
+    assert resolve_compile(explicit, torch.device(device), samples).train.compile == "blocks"

@@ -22,7 +22,7 @@ from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, objective
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
-                                 build_unet, compile_mode, save_final, trainable, training_forward)
+                                 build_unet, compile_mode, resolve_compile, save_final, trainable, training_forward)
 from sdpipe.train.prefetch import Prefetcher
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry, check_finite
@@ -113,6 +113,8 @@ def build(cfg, index: Path, out: Path) -> Run:
     buckets = data.sample_buckets()
     plan = accounting.plan_steps(accounting.count_buckets(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
                                  t.max_steps, t.epochs, t.lr_warmup_steps)
+    cfg = resolve_compile(cfg, accelerator.device,
+                          plan.total_optimizer_steps * t.per_device_batch_size * t.grad_accum_steps)
     unet, text = build_unet(cfg, accelerator.device), build_text_stack(cfg, accelerator.device)
     encoders = text.encoders if text else []
     noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)

@@ -57,15 +57,34 @@ def build_unet(cfg, device):
     return unet
 
 
+# `train.compile: auto` compiles the whole UNet only for runs that train on at least this many samples per GPU.
+# SD 1.5 at batch 32 on an H200 (benchmarks/NOTES.md v12): eager 97.9 samples/s, whole-UNet compiled 146.6 after
+# 251 s of compiling on cold caches, so the compile is repaid after about 74,000 samples; the blocks compiled one
+# by one took longer still (more than 160 s before the first step).
+COMPILE_FROM_SAMPLES = 100_000
+
+
+def resolve_compile(cfg, device, samples_per_process: int):
+    """`cfg` with train.compile: auto decided for this run: the whole UNet compiled on a GPU when the run is long
+    enough to repay the compile, else eager."""
+    import dataclasses
+
+    if cfg.train.compile != "auto":
+        return cfg
+    long_run = torch.device(device).type == "cuda" and samples_per_process >= COMPILE_FROM_SAMPLES
+    train = dataclasses.replace(cfg.train, compile="compiled" if long_run else "eager")
+    resolved = dataclasses.replace(cfg, train=train)
+    object.__setattr__(resolved, "raw", cfg.raw)
+    return resolved
+
+
 def compile_mode(cfg, device) -> str:
-    """What `train.compile` means on this device: "blocks" (each UNet block compiled on its own), "whole" (the
-    UNet as one graph) or "eager". `auto` is "blocks" on a GPU and eager on a CPU, where compiling costs more than
-    a short run gains. SD 1.5 on an H200 (benchmarks/NOTES.md): the whole UNet compiled reached 1.49x the eager
-    baseline's step at batch 64 with the layers of `prepare_for_gpu_compile`, but spent 3-4 minutes compiling
-    before its first step; the blocks compile in a fraction of that (NOTES v12)."""
+    """What `train.compile` means on this device: "whole" (the UNet as one graph), "blocks" (each UNet block
+    compiled on its own) or "eager". An undecided `auto` (see resolve_compile) compiles the whole UNet on a GPU and
+    nothing on a CPU."""
     mode = cfg.train.compile
     if mode == "auto":
-        return "blocks" if torch.device(device).type == "cuda" else "eager"
+        return "whole" if torch.device(device).type == "cuda" else "eager"
     return {"compiled": "whole"}.get(mode, mode)
 
 
