@@ -8,11 +8,14 @@ mapfile -t missing < <(python3 - <<'PY'
 import importlib.metadata as md
 import pathlib
 
+# Always ours: sdpipe, and what needs a newer version than such images may hold (pydantic pins its core, and
+# wants a recent typing_extensions).
+ALWAYS = {"sdpipe", "pydantic", "pydantic_core", "typing_extensions"}
 for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
     name = wheel.name.split("-")[0]
     try:
         md.distribution(name)
-        present = name != "sdpipe"
+        present = name not in ALWAYS
     except md.PackageNotFoundError:
         present = False
     if not present:

@@ -19,6 +19,7 @@ packages=(
   platformdirs immutables configargparse connection-pool docutils gitpython gitdb smmap humanfriendly nbformat
   fastjsonschema jupyter-core traitlets pulp tenacity smart-open wrapt tabulate throttler yte dpath conda-inject
   sqlmodel sqlalchemy greenlet argparse-dataclass importlib-metadata zipp
+  pydantic pydantic-core annotated-types typing-inspection typing-extensions
 )
 specs=()
 for p in "${packages[@]}"; do specs+=("$(pin "$p")"); done
