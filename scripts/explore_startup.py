@@ -97,10 +97,10 @@ def sample(args) -> None:
         if speed == "plain":  # as before issue 24: no speed-ups, the first batch timed with the rest
             import sdpipe.generate as g
 
-            keep, g.speed_up = g.speed_up, lambda *a, **k: None
+            keep, g.prepare_sampler = g.prepare_sampler, lambda *a, **k: None
         result = generate_worker("cuda:0", jobs, lambda n=1: None, settings)
         if speed == "plain":
-            g.speed_up = keep
+            g.prepare_sampler = keep
         rate = len(jobs) / result["seconds"]
         print(f"sample {spec}: {rate:.2f} images/s after warm-up; load {result['load_s']:.1f} s, warm-up "
               f"{result['warmup_s']:.1f} s, {len(jobs)} images in {result['seconds']:.1f} s", flush=True)

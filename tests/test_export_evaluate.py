@@ -154,3 +154,16 @@ def test_benchmark_times_each_count_and_computes_efficiency(data, tmp_path):
     assert io.read_json(tmp_path / "gpus-2" / "summary.json")["world_size"] == 2
     for r in table:
         assert r["efficiency"] == pytest.approx(r["per_gpu_samples_per_s"] / table[0]["per_gpu_samples_per_s"], rel=1e-3)
+
+
+def test_sampling_batches_are_even_and_sized_by_the_image():
+    from sdpipe.generate import _batches
+    from sdpipe.stages.evaluate import batch_size, sampling_compile
+
+    sizes = [len(b) for b in _batches(list(range(20)), 8)]
+    assert sizes == [7, 7, 6] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape
+    assert [len(b) for b in _batches(list(range(64)), 16)] == [16] * 4
+    assert (batch_size("auto", False, 512, 512), batch_size("auto", True, 512, 512),
+            batch_size("auto", True, 1024, 1024), batch_size(5, True, 512, 512)) == (8, 16, 4, 5)
+    assert sampling_compile("auto", True, 64) == "eager" and sampling_compile("auto", True, 5000) == "blocks"
+    assert sampling_compile("blocks", False, 5000) == "eager"  # nothing compiles on a CPU
