@@ -161,7 +161,7 @@ def test_sampling_batches_are_even_and_sized_by_the_image():
     from sdpipe.stages.evaluate import batch_size, sampling_compile
 
     sizes = [len(b) for b in _batches(list(range(20)), 8)]
-    assert sizes == [7, 7, 6] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape
+    assert sorted(sizes) == [6, 7, 7] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape
     assert [len(b) for b in _batches(list(range(64)), 16)] == [16] * 4
     assert (batch_size("auto", False, 512, 512), batch_size("auto", True, 512, 512),
             batch_size("auto", True, 1024, 1024), batch_size(5, True, 512, 512)) == (8, 16, 4, 5)
