@@ -24,8 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--latent-batch", type=int, help="images per batch in the latents stage (default: its auto rule)")
     p.add_argument("--images", type=int, help="JPEGs to cache (default: 2000 for sd15, 256 for sdxl)")
     p.add_argument("--skip", action="append", default=[], choices=["baseline", "parity", "latents", "loader", "train"])
-    p.add_argument("--compile", action="append", choices=["auto", "eager"],
-                   help="train.compile for the sdpipe rows (default: auto); repeatable")
+    p.add_argument("--compile", action="append", choices=["compiled", "eager", "blocks", "auto"],
+                   help="train.compile for the sdpipe rows (default: compiled on a GPU; a bench's few steps would "
+                        "make `auto` pick eager); repeatable")
     p.add_argument("--work", default="/tmp/sdpipe-bench", help="scratch: images, caches, runs")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", help="results file stem (default: bench-<presets>)")
@@ -94,12 +95,12 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
             out["rows"].append(baseline.measure(preset, resolution, batch, args.steps, args.warmup, device))
             _show(out["rows"][-1])
     if "train" not in args.skip:
-        for mode in args.compile or ["auto"]:
+        for mode in args.compile or ["compiled" if device.type == "cuda" else "eager"]:
             for batch in batches:
                 log.info("bench %s: sdpipe train, compile %s, batch %d", preset, mode, batch)
                 row = pipeline.train_row(work, cache, f"{preset}-{mode}-{batch}", batch, args.steps + args.warmup,
                                          args.warmup, {"compile": mode})
-                label = "torch.compile" if mode == "auto" and device.type == "cuda" else "eager"
+                label = "torch.compile" if mode == "compiled" and device.type == "cuda" else mode
                 out["rows"].append({"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe",
                                     **row})
                 _show(out["rows"][-1])
