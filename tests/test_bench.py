@@ -159,3 +159,28 @@ def test_a_latent_rate_from_few_images_gets_no_verdict(tmp_path):
     saved = json.loads((tmp_path / "bench-few.json").read_text())["presets"]["sd15"]
     assert saved["latent_target"]["met"] is None
     assert "no verdict from 256 images" in table
+
+
+@pytest.mark.parametrize("device, mode, label", [("cuda", "compiled", "torch.compile"), ("cpu", "eager", "eager")])
+def test_the_step_rows_compile_on_a_gpu_by_default(tmp_path, monkeypatch, device, mode, label):
+    """A bench row trains a few dozen steps, so `train.compile: auto` would pick eager there: the rows ask for the
+    compiled UNet on a GPU unless --compile says otherwise."""
+    import argparse
+
+    import torch
+
+    from sdpipe.bench import cli, pipeline
+
+    modes = []
+    monkeypatch.setattr(pipeline, "sdpipe", lambda *args: None)
+    monkeypatch.setattr(pipeline, "write_jpegs", lambda out, count, size: out)
+    monkeypatch.setattr(pipeline, "cache_latents", lambda work, name, model, raw, res, settings: {"raw": raw.name})
+    monkeypatch.setattr(pipeline, "train_row", lambda work, cache, name, batch, steps, warmup, overrides:
+                        modes.append(overrides["compile"]) or {"samples_per_s": 1.0})
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--steps", "1", "--warmup", "1", "--skip", "baseline", "--skip", "loader",
+                              "--skip", "parity", "--skip", "latents"])
+    out = cli.bench_preset(args, "sd15", torch.device(device), tmp_path)
+    assert modes == [mode]
+    assert [r["name"] for r in out["rows"]] == [f"sdpipe train ({label}, fused AdamW), batch 32"]
