@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -298,12 +300,27 @@ def _with_defaults(validator_class):
             for name, sub in properties.items():
                 if "default" in sub:
                     instance.setdefault(name, copy.deepcopy(sub["default"]))
+                if name in instance:
+                    instance[name] = _number_from_text(validator.evolve(schema=sub), instance[name])
         yield from check_properties(validator, properties, instance, schema)
 
     return validators.extend(validator_class, {"properties": set_defaults})
 
 
 _Validator = _with_defaults(Draft202012Validator)
+NUMBER_TEXT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+def _number_from_text(validator, value):
+    """`1e-4` as the number it means: YAML 1.1 (PyYAML, which Snakemake uses too) reads a float without a dot as a
+    string. Only where the string itself is not allowed and the number is."""
+    if not isinstance(value, str) or not NUMBER_TEXT.fullmatch(value.strip()) or validator.is_valid(value):
+        return value
+    number = float(value)
+    for candidate in ((int(number),) if number.is_integer() else ()) + (number,):
+        if validator.is_valid(candidate):
+            return candidate
+    return value
 
 
 def _key_of(error) -> str:
@@ -361,7 +378,10 @@ def _format_error(error) -> str:
     if error.validator == "additionalProperties":
         extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
         where = f"{key}." if error.absolute_path else ""
-        return f"config: unknown key {where}{extra[0]}; allowed here: {sorted(error.schema['properties'])}"
+        allowed = sorted(error.schema["properties"])
+        near = difflib.get_close_matches(extra[0], allowed, n=1)
+        hint = f"did you mean {where}{near[0]}? " if near else ""
+        return f"config: unknown key {where}{extra[0]}; {hint}allowed here: {allowed}"
     return f"config: {key} = {error.instance!r} is not allowed; expected {_allowed(error)}"
 
 
@@ -403,6 +423,12 @@ _resolve_types(Config)
 
 def _check_combinations(cfg: Config) -> None:
     """Rules between keys that a per-key schema cannot say."""
+    m = cfg.model
+    if m.build_preset and Path(m.pretrained).name != m.build_preset:
+        raise UserError(f"config: model.build_preset = {m.build_preset} builds a random-init model at model.pretrained "
+                        f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
+                        f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
+                        f"models/{m.build_preset})")
     if cfg.dreambooth.enabled and not cfg.dreambooth.class_prompt.strip():
         raise UserError('config: dreambooth.enabled needs dreambooth.class_prompt (e.g. "a photo of a dog")')
     if cfg.dreambooth.enabled and cfg.model.train_vae.enabled:

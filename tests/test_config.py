@@ -44,6 +44,41 @@ def test_bad_values_name_key_value_and_allowed(raw, expected):
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_mistyped_key_gets_the_key_it_probably_meant():
+    with pytest.raises(UserError) as err:
+        config.from_dict({"train": {"learnig_rate": 1e-4}})
+    assert "unknown key train.learnig_rate; did you mean train.learning_rate?" in str(err.value)
+    with pytest.raises(UserError) as err:
+        config.from_dict({"train": {"zzz": 1}})
+    assert "did you mean" not in str(err.value) and "allowed here:" in str(err.value)
+
+
+def test_numbers_written_as_peers_write_them_are_numbers(tmp_path):
+    """PyYAML (and so Snakemake's configfile) reads 1e-4 as a string: where a key takes a number, it is one; a key
+    that takes text keeps the text."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  learning_rate: 1e-4\n  max_steps: 2e3\ncaption:\n  template: 1e5\n  gpus: '2'\n")
+    assert yaml.safe_load(path.read_text())["train"]["learning_rate"] == "1e-4"  # what the loader gives
+    cfg = config.load(path)
+    assert cfg.train.learning_rate == pytest.approx(1e-4) and isinstance(cfg.train.learning_rate, float)
+    assert cfg.train.max_steps == 2000 and isinstance(cfg.train.max_steps, int)
+    assert cfg.caption.template == "1e5" and cfg.caption.gpus == 2
+    assert cfg.raw["train"]["learning_rate"] == pytest.approx(1e-4)  # the resolved config the stages read
+    with pytest.raises(UserError, match="train.learning_rate = '1e-4x' is not allowed"):
+        config.from_dict({"train": {"learning_rate": "1e-4x"}})
+
+
+def test_a_demo_preset_cannot_be_built_over_a_real_model_path():
+    """Only model.pretrained changed to a hub id, build_preset still the demo's: a random model would be built in a
+    folder named like the hub id and hide the real weights."""
+    with pytest.raises(UserError) as err:
+        config.from_dict({"model": {"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5", "build_preset": "tiny"}})
+    assert "set model.build_preset: null" in str(err.value) and "\n" not in str(err.value)
+    assert config.from_dict({"model": {"pretrained": "models/tiny", "build_preset": "tiny"}}).model.build_preset == "tiny"
+    assert config.from_dict({"model": {"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+                                       "build_preset": None}}).model.build_preset is None
+
+
 def test_cli_reports_bad_config_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("latents:\n  batch_size: 0\n")

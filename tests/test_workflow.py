@@ -84,6 +84,17 @@ def test_bad_config_stops_before_any_job(tmp_path):
     assert "Traceback" not in proc.stderr and not (proj / "results" / "prepare").exists()
 
 
+def test_snakemake_reads_1e_4_as_the_number_check_config_reads(tmp_path):
+    """One effective config: a learning rate written 1e-4 reaches the stages as 0.0001 through Snakemake too."""
+    proj = make_project(tmp_path / "p", None)
+    cfg_path = proj / "config" / "config.yaml"
+    text = yaml.safe_load(cfg_path.read_text())
+    text["train"]["learning_rate"] = "LR"
+    cfg_path.write_text(yaml.safe_dump(text, sort_keys=False).replace("LR", "1e-4"))
+    run(["snakemake", "--cores", "1", "-n"], proj)
+    assert yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())["train"]["learning_rate"] == 1e-4
+
+
 def test_lint_is_clean():
     proc = run(["snakemake", "--lint"], REPO)
     assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
