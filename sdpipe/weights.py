@@ -36,8 +36,18 @@ def resolve(name: str, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
+        if looks_like_path(name):
+            raise UserError(f"model path {name} does not exist (nothing at {Path(name).resolve()}; as a hub id it is "
+                            f"not in the local Hugging Face cache either)") from None
         raise UserError(f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
                         f"run `hf download {name}` (or set the config to a local folder)") from None
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that cannot be a hub id ("org/name") or whose first part is a local folder: a mistyped path, not a
+    model to download."""
+    parts = name.split("/")
+    return len(parts) > 2 or name.endswith(WEIGHT_SUFFIXES) or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
 def files_to_hash(path: Path, every_file: bool = False) -> list[Path]:

@@ -145,6 +145,19 @@ def test_build_refuses_to_overwrite(tiny: str, tmp_path: Path) -> None:
         presets.build_and_save("tiny", tmp_path / "busy")
 
 
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch) -> None:
+    from sdpipe import weights
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for name in ("models/my-sd15", "checkpoints/sd15/model", "sd15-pruned.safetensors"):
+        with pytest.raises(UserError, match=f"model path {name} does not exist") as err:
+            weights.resolve(name)
+        assert "hf download" not in str(err.value)
+    with pytest.raises(UserError, match="hf download nobody-sdpipe-test/not-a-model"):
+        weights.resolve("nobody-sdpipe-test/not-a-model")
+
+
 def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="does not exist"):
         loading.load_vae(str(tmp_path / "missing"))
