@@ -242,3 +242,25 @@ def test_auto_batch_is_the_largest_that_fits_in_free_gpu_memory(monkeypatch, fre
     assert encode_worker.batch_size("auto", "cuda:0", dtype, jobs) == expected
     assert encode_worker.batch_size("auto", "cpu", dtype, jobs) == encode_worker.CPU_BATCH
     assert encode_worker.batch_size(12, "cuda:0", dtype, jobs) == 12  # a configured number is kept
+
+
+@pytest.mark.parametrize("preset, multiple", [("sd15", 64), ("sdxl", 32), ("tiny", 8)])
+def test_buckets_must_fit_the_vae_and_the_unet_downsampling(tmp_path, preset, multiple):
+    """A bucket step of 8 passed with SD 1.5 (its VAE alone divides by 8) and failed later in the UNet: the rule is
+    the VAE's factor times the UNet's, read from the model's config files (no weights loaded)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from sdpipe.config import from_dict
+    from sdpipe.models import presets
+    from sdpipe.stages import latents
+
+    root = tmp_path / preset
+    AutoencoderKL.from_config(presets.vae_config(preset)).save_config(root / "vae")
+    UNet2DConditionModel.from_config(presets.unet_config(preset)).save_config(root / "unet")
+    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    cfg = from_dict({"model": {"pretrained": str(root)}})
+    vae_factor = 2 ** (len(presets.vae_config(preset)["block_out_channels"]) - 1)
+    assert latents.bucket_multiple(cfg, vae_factor) == multiple
+    latents._check_buckets([{"bucket": [multiple * 3, multiple * 2]}], multiple)
+    with pytest.raises(UserError, match=f"set prepare.buckets.step to a multiple of {multiple}"):
+        latents._check_buckets([{"bucket": [multiple * 3 + multiple // 2, multiple * 2]}], multiple)

@@ -56,11 +56,23 @@ def _tokenizers(text_components: list[str]) -> list[str]:
     return [name.replace("text_encoder", "tokenizer") for name in text_components]
 
 
+def bucket_multiple(cfg, vae_downsample: int) -> int:
+    """What every bucket side must be a multiple of: the VAE's downsampling times the UNet's (each down block but
+    the last halves the latent; SD 1.5: 8 x 8 = 64 px, SDXL: 8 x 4 = 32 px)."""
+    from diffusers import UNet2DConditionModel
+
+    from sdpipe.models import loading
+
+    local = str(loading.model_index(cfg.model.pretrained, cfg.model.revision)[0])
+    unet_cfg = UNet2DConditionModel.load_config(local, subfolder="unet")
+    return vae_downsample * 2 ** (len(unet_cfg["down_block_types"]) - 1)
+
+
 def _check_buckets(rows: list[dict], factor: int) -> None:
     bad = sorted({tuple(r["bucket"]) for r in rows if r["bucket"][0] % factor or r["bucket"][1] % factor})
     if bad:
-        raise UserError(f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by the VAE's downsampling ({factor}); "
-                        f"set prepare.buckets.step to a multiple of {factor}")
+        raise UserError(f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by {factor}, the model's downsampling (VAE "
+                        f"times UNet); set prepare.buckets.step to a multiple of {factor} (and the resolution too)")
 
 
 def _text_key(caption: str, model: dict, dtype: str) -> str:
@@ -106,7 +118,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
-    _check_buckets(rows, model["vae_downsample"])
+    _check_buckets(rows, bucket_multiple(cfg, model["vae_downsample"]))
     items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
 
     root = Path(cfg.cache_dir)
