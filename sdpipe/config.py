@@ -429,6 +429,10 @@ def _check_combinations(cfg: Config) -> None:
                         f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
                         f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
                         f"models/{m.build_preset})")
+    if cfg.train.mode == "lora" and cfg.train.text_encoder.mode == "full":
+        raise UserError("config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "
+                        "fully trained text encoder, so its exports would not reproduce the trained model; set "
+                        "train.text_encoder.mode to lora or none (or train.mode to full)")
     if cfg.dreambooth.enabled and not cfg.dreambooth.class_prompt.strip():
         raise UserError('config: dreambooth.enabled needs dreambooth.class_prompt (e.g. "a photo of a dog")')
     if cfg.dreambooth.enabled and cfg.model.train_vae.enabled:

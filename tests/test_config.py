@@ -79,6 +79,14 @@ def test_a_demo_preset_cannot_be_built_over_a_real_model_path():
                                        "build_preset": None}}).model.build_preset is None
 
 
+def test_a_lora_run_cannot_train_the_whole_text_encoder():
+    """It trained to the end, then export failed without naming the cause."""
+    with pytest.raises(UserError, match="set train.text_encoder.mode to lora or none"):
+        config.from_dict({"train": {"mode": "lora", "text_encoder": {"mode": "full"}}})
+    for te in ("lora", "none"):
+        assert config.from_dict({"train": {"mode": "lora", "text_encoder": {"mode": te}}}).train.text_encoder.mode == te
+
+
 def test_cli_reports_bad_config_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("latents:\n  batch_size: 0\n")
@@ -115,7 +123,7 @@ def test_ddp_settings_reach_accelerate():
 
     ddp, group = ddp_kwargs(config.from_dict({}))
     assert ddp.to_kwargs() == {"gradient_as_bucket_view": True} and group.timeout == timedelta(seconds=1800)
-    ddp, group = ddp_kwargs(config.from_dict({"train": {"text_encoder": {"mode": "full"}, "ddp": {
+    ddp, group = ddp_kwargs(config.from_dict({"train": {"mode": "full", "text_encoder": {"mode": "full"}, "ddp": {
         "bucket_cap_mb": 50, "static_graph": True, "gradient_as_bucket_view": False, "timeout_s": 120}}}))
     assert ddp.to_kwargs() == {"bucket_cap_mb": 50, "static_graph": True, "find_unused_parameters": True}
     assert group.timeout == timedelta(seconds=120)

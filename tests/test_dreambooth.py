@@ -98,7 +98,7 @@ def test_dreambooth_lora_trains_through_the_workflow(tmp_path, instance):
                         model={"train_vae": {"enabled": False}},
                         caption={"chain": ["template"], "template": "sks {stem}", "gpus": 0},
                         train={"mode": "lora", "max_steps": 2, "per_device_batch_size": 4, "lr_warmup_steps": 0,
-                               "validation": {"every": 0}})
+                               "validation": {"every": 0}, "text_encoder": {"mode": "none", "learning_rate": None}})
     run([sys.executable, "-m", "snakemake", "--cores", "2", "train"], work)
     assert len(list((work / "results" / "class_images" / "images").glob("*.png"))) == 6
     summary = io.read_json(work / "results" / "train" / "summary.json")
