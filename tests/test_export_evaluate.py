@@ -83,6 +83,19 @@ def test_lora_run_exports_diffusers_and_kohya_loras(data, tmp_path):
     assert set(summary["formats"]) == {"diffusers", "single_file", "lora", "lora_kohya"}
     assert all(r["verified"] for r in summary["formats"].values()), summary["formats"]
     assert summary["formats"]["lora"]["max_abs_diff"] == 0  # the adapter as trained, loaded the way users do
+    from safetensors import safe_open
+
+    for name in ("lora_kohya.safetensors", "lora/pytorch_lora_weights.safetensors", "model.safetensors"):
+        with safe_open(str(tmp_path / "e" / name), framework="pt") as f:
+            meta = f.metadata()
+        lora = "lora" in name
+        # what A1111/Forge/ComfyUI/Civitai read to class the file: the tiny preset is an SD 1.x pipeline
+        assert meta["ss_base_model_version"] == "sd_v1" and meta["ss_v2"] == "False"
+        assert meta["modelspec.architecture"] == "stable-diffusion-v1" + ("/lora" if lora else "")
+        assert meta["modelspec.sai_model_spec"] == "1.0.0" and meta["ss_resolution"] == "(32, 32)"
+        assert (meta.get("ss_network_dim"), meta.get("ss_network_alpha")) == (("4", "2") if lora else (None, None))
+    with safe_open(str(tmp_path / "e" / "lora" / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+        assert "lora_adapter_metadata" in f.metadata()  # diffusers' own alphas stay beside ours
 
 
 def test_lora_against_another_base_and_missing_run_are_one_line(data, tmp_path):
@@ -167,3 +180,24 @@ def test_sampling_batches_are_even_and_sized_by_the_image():
             batch_size("auto", True, 1024, 1024), batch_size(5, True, 512, 512)) == (8, 16, 4, 5)
     assert sampling_compile("auto", True, 64) == "eager" and sampling_compile("auto", True, 5000) == "blocks"
     assert sampling_compile("blocks", False, 5000) == "eager"  # nothing compiles on a CPU
+
+
+@pytest.mark.parametrize("family, cross_dim, prediction, version, arch", [
+    ("sdxl", 2048, "epsilon", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
+    ("sd", 1024, "v_prediction", "sd_v2", "stable-diffusion-v2-768-v"),
+    ("sd", 1024, "epsilon", "sd_v2", "stable-diffusion-v2-512"),
+    ("sd", 768, "epsilon", "sd_v1", "stable-diffusion-v1"),
+])
+def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family, cross_dim, prediction, version,
+                                                                arch):
+    from sdpipe.export.metadata import file_metadata
+
+    io.write_json(tmp_path / "unet" / "config.json", {"cross_attention_dim": cross_dim})
+    cfg = config.from_dict({"train": {"mode": "lora"}, "prepare": {"buckets": {"resolution": 1024}}})
+    info = {"family": family, "prediction_type": prediction, "optimizer_steps": 300}
+    meta = file_metadata(cfg, info, tmp_path, {"r": 8, "lora_alpha": 4})
+    assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == (version, arch + "/lora")
+    assert meta["ss_v2"] == str(version == "sd_v2") and meta["modelspec.prediction_type"] == prediction
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_max_train_steps"]) == ("8", "4", "300")
+    assert meta["modelspec.resolution"] == "1024x1024" and all(isinstance(v, str) for v in meta.values())
+    assert "ss_network_dim" not in file_metadata(cfg, info, tmp_path)

@@ -125,16 +125,16 @@ def check_lora_matches(lora: str | Path, base_model: str | Path) -> None:
     _check_state(read_lora(lora)[0], base_model, lora)
 
 
-def export_kohya(lora: str | Path, out: str | Path, base_model: str | Path) -> Path:
+def export_kohya(lora: str | Path, out: str | Path, base_model: str | Path, metadata: dict | None = None) -> Path:
     """Write the diffusers LoRA `lora` (folder or file) as a kohya .safetensors, after checking it fits `base_model`
-    (whose family also picks the text-encoder prefixes)."""
+    (whose family also picks the text-encoder prefixes); `metadata` goes into its header (sdpipe.export.metadata)."""
     from safetensors.torch import save_file
 
     state, configs = read_lora(lora)
     _check_state(state, base_model, lora)
     kohya = kohya_state_dict(state, configs, loading.pipeline_family(str(base_model)))
     with io.atomic_path(out) as tmp:
-        save_file(kohya, str(tmp), metadata={"format": "pt"})
+        save_file(kohya, str(tmp), metadata={"format": "pt", **(metadata or {})})
     return Path(out)
 
 

@@ -157,8 +157,9 @@ def _check_text_encoders(model: str, family: str, encoders: list) -> None:
         raise UserError(f"{model}: single-file export supports SD 1.x and SDXL, not SD 2.x (OpenCLIP text encoder)")
 
 
-def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16") -> Path:
-    """Write the diffusers pipeline `model` (folder or cached hub id) as one original-layout .safetensors."""
+def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16", metadata: dict | None = None) -> Path:
+    """Write the diffusers pipeline `model` (folder or cached hub id) as one original-layout .safetensors, with
+    `metadata` in its header (sdpipe.export.metadata)."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -171,7 +172,7 @@ def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16") 
                                 encoders, family)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
     with io.atomic_path(out) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
+        save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
     return Path(out)
 
 

@@ -156,12 +156,14 @@ def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dic
                    path=str(folder), loader=loader)
 
 
-def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, family: str) -> dict:
+def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dict) -> dict:
+    from sdpipe.export.metadata import file_metadata
     from sdpipe.export.single_file import export_single_file, load_single_file
 
     device, dtype = verify_device(cfg)
-    path = export_single_file(folder, out / "model.safetensors", cfg.export.dtype)
-    pipe = load_single_file(path, folder, family, dtype).to(device)
+    path = export_single_file(folder, out / "model.safetensors", cfg.export.dtype,
+                              file_metadata(cfg, info, folder))
+    pipe = load_single_file(path, folder, info["family"], dtype).to(device)
     if cfg.train.prediction_type:
         pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
     pipe.set_progress_bar_config(disable=True)
@@ -170,16 +172,18 @@ def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, family: s
                    path=str(path), loader=loader)
 
 
-def export_loras(cfg, source: Path, reference: np.ndarray, out: Path) -> dict:
-    """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each loaded into a fresh
-    base pipeline with load_lora_weights."""
+def export_loras(cfg, source: Path, reference: np.ndarray, out: Path, metadata: dict) -> dict:
+    """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each with `metadata` for
+    other tools and each loaded into a fresh base pipeline with load_lora_weights."""
     from sdpipe.export.lora import export_kohya
+    from sdpipe.export.metadata import add_metadata
     from sdpipe.models.pipeline import load_pipeline
 
     folder = out / "lora"
     with io.atomic_path(folder / "pytorch_lora_weights.safetensors") as tmp:
         shutil.copy2(source / "pytorch_lora_weights.safetensors", tmp)
-    kohya = export_kohya(folder, out / "lora_kohya.safetensors", cfg.model.pretrained)
+    add_metadata(folder / "pytorch_lora_weights.safetensors", metadata)
+    kohya = export_kohya(folder, out / "lora_kohya.safetensors", cfg.model.pretrained, metadata)
     device, dtype = verify_device(cfg)
     results = {}
     for name, path in (("lora", folder), ("lora_kohya", kohya)):
@@ -207,9 +211,13 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out, e.dtype)
     formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
     if e.single_file:
-        formats["single_file"] = export_single(cfg, folder, reference, out, info["family"])
+        formats["single_file"] = export_single(cfg, folder, reference, out, info)
     if "lora" in components.values():
-        formats.update(export_loras(cfg, source, reference, out))
+        from sdpipe.export.lora import read_lora
+        from sdpipe.export.metadata import file_metadata
+
+        adapter = read_lora(source)[1].get("unet", {})
+        formats.update(export_loras(cfg, source, reference, out, file_metadata(cfg, info, folder, adapter)))
     summary = {"source": str(source), "components": components, "dtype": e.dtype, "ema": e.ema,
                "verify": {**vars(e.verify), "rendered_on": device, "render_dtype": str(dtype).removeprefix("torch.")}, "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
     io.write_json(outputs["summary"], summary)

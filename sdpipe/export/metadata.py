@@ -1,0 +1,72 @@
+"""What other tools read from an exported .safetensors: the SAI model spec (`modelspec.*`) and kohya's `ss_*` keys.
+
+A1111, Forge, ComfyUI and Civitai class a file by them (A1111 lists an SDXL LoRA without them as SD 1 and hides it
+from an SDXL checkpoint's LoRA tab) and show how it was trained. Values are strings, as safetensors requires. No
+date or time is written: the same training gives the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sdpipe import io
+
+# kohya's ss_base_model_version -> the model spec's architecture and reference implementation
+SPECS = {
+    "sd_v1": ("stable-diffusion-v1", "https://github.com/CompVis/stable-diffusion"),
+    "sd_v2": ("stable-diffusion-v2-512", "https://github.com/Stability-AI/stablediffusion"),
+    "sd_v2_v": ("stable-diffusion-v2-768-v", "https://github.com/Stability-AI/stablediffusion"),
+    "sdxl_base_v1-0": ("stable-diffusion-xl-v1-base", "https://github.com/Stability-AI/generative-models"),
+}
+
+
+def base_version(model: Path, family: str) -> str:
+    """kohya's name for the base: SDXL, else SD 2.x when the UNet attends to 1024-wide text states (OpenCLIP-H),
+    else SD 1.x."""
+    if family == "sdxl":
+        return "sdxl_base_v1-0"
+    unet = io.read_json(Path(model) / "unet" / "config.json")
+    return "sd_v2" if unet.get("cross_attention_dim") == 1024 else "sd_v1"
+
+
+def file_metadata(cfg, info: dict, model: Path, adapter: dict | None = None) -> dict[str, str]:
+    """Metadata for an exported single file, or for a LoRA when `adapter` is its UNet's peft adapter config (rank and
+    alpha as trained); `info` is the trained run's final.json, `model` the exported diffusers folder."""
+    lora = adapter is not None
+    version = base_version(model, info["family"])
+    prediction = info.get("prediction_type") or cfg.train.prediction_type or "epsilon"
+    arch, implementation = SPECS["sd_v2_v" if version == "sd_v2" and prediction == "v_prediction" else version]
+    res = cfg.prepare.buckets.resolution
+    meta = {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": arch + ("/lora" if lora else ""),
+        "modelspec.implementation": implementation,
+        "modelspec.title": f"{Path(cfg.model.pretrained).name} {'LoRA' if lora else cfg.train.mode + ' fine-tune'}",
+        "modelspec.resolution": f"{res}x{res}",
+        "modelspec.prediction_type": prediction,
+        "ss_base_model_version": version,
+        "ss_v2": str(version == "sd_v2"),
+        "ss_sd_model_name": str(cfg.model.pretrained),
+        "ss_resolution": f"({res}, {res})",
+        "ss_learning_rate": str(cfg.train.learning_rate),
+        "ss_max_train_steps": str(info.get("optimizer_steps")),
+        "ss_mixed_precision": str(cfg.train.mixed_precision),
+        "ss_seed": str(cfg.seed),
+        "ss_training_comment": "trained with sdpipe",
+    }
+    if lora:
+        rank = adapter.get("r", cfg.train.lora.rank)
+        meta |= {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
+                 "ss_network_alpha": str(adapter.get("lora_alpha", rank))}
+    return meta
+
+
+def add_metadata(path: Path, metadata: dict[str, str]) -> None:
+    """Rewrite a .safetensors with `metadata` added to what it carries (atomically)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        state, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    with io.atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={**meta, **metadata})
