@@ -91,8 +91,12 @@ def _cmd_fetch_weights(args) -> int:
 
 
 def _cmd_check_config(args) -> int:
-    load_config(args.config, args.set)
+    from sdpipe import plan
+
+    cfg = load_config(args.config, args.set)
     print(f"{args.config}: ok")
+    for line in plan.lines(cfg):
+        print(f"  {line}")
     return 0
 
 

@@ -1,0 +1,142 @@
+"""What a config will do, said before any work (`sdpipe check-config`): the model and where its weights come from,
+what trains, resolution and precision, the step plan at this machine's GPU count, a rough memory estimate per GPU,
+and the outputs. It reads config files and counts images; it loads no weights.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from sdpipe.errors import UserError
+
+# Activation memory per sample and megapixel of training resolution (eager, bf16): the whole-DAG peaks of
+# benchmarks/NOTES.md v12 less weights, gradients and optimizer state. SD 1.5 at 512 px, batch 32: about 4.3 GB
+# (50.1 GB full, 40.6 GB LoRA); SDXL LoRA at 1024 px, batch 8: about 7.5 GB (73.8 GB). Gradient checkpointing
+# trades most of it for time; its factor here is a guess, not a measurement.
+ACTIVATION_GB_PER_MP = {"sd": 4.3, "sdxl": 7.5}
+CHECKPOINTING_FACTOR = 0.35
+# Bytes per UNet parameter: full fine-tune = fp32 weights, gradients and AdamW's two moments; LoRA = frozen weights.
+BYTES_PER_PARAM = {"full": 16, "lora": 4}
+
+
+def lines(cfg) -> list[str]:
+    unet = _unet_config(cfg)
+    return [_model(cfg, unet), _training(cfg), _images(cfg), _schedule(cfg), _memory(cfg, unet), _outputs(cfg)]
+
+
+def _unet_config(cfg) -> dict | None:
+    """The UNet's config: the preset's when one is built, else the model's own files (None if not found)."""
+    if cfg.model.build_preset:
+        from sdpipe.models import presets
+
+        return presets.unet_config(cfg.model.build_preset)
+    from sdpipe import weights
+    from sdpipe.io import read_json
+
+    try:
+        return read_json(weights.resolve(cfg.model.pretrained, cfg.model.revision) / "unet" / "config.json")
+    except (UserError, OSError):
+        return None
+
+
+def _family(unet: dict) -> str:
+    return "sdxl" if unet.get("addition_embed_type") == "text_time" else "sd"
+
+
+def _model(cfg, unet: dict | None) -> str:
+    m = cfg.model
+    if m.build_preset:
+        return f"model: a random-init {m.build_preset} preset built at {m.pretrained} (the demo's; real weights need " \
+               f"model.build_preset: null)"
+    from sdpipe import weights
+
+    try:
+        where = weights.resolve(m.pretrained, m.revision)
+    except UserError as exc:
+        return f"model: NOT FOUND: {exc}"
+    kind = "local folder" if weights.is_local(m.pretrained) else f"hub id in the cache ({where})"
+    name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[_family(unet)] if unet else "unknown family (no unet/config.json)"
+    return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
+
+
+def _training(cfg) -> str:
+    t = cfg.train
+    what = f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the UNet" if t.mode == "lora" else \
+        "full fine-tune of the UNet"
+    extra = [f"text encoder: {t.text_encoder.mode}"]
+    if cfg.model.train_vae.enabled:
+        extra.append(f"the VAE trained first ({cfg.model.train_vae.steps} steps)")
+    if cfg.dreambooth.enabled:
+        extra.append(f"DreamBooth with prior preservation (class: {cfg.dreambooth.class_prompt!r})")
+    return f"training: {what}; " + "; ".join(extra)
+
+
+def _images(cfg) -> str:
+    b = cfg.prepare.buckets
+    return (f"images: buckets of about {b.resolution} px (sides multiples of {b.step}, aspect up to {b.max_aspect}); "
+            f"latents {cfg.latents.dtype}; mixed precision {cfg.train.mixed_precision}")
+
+
+def _processes(cfg) -> tuple[int, int]:
+    """(GPUs this machine shows, training processes)."""
+    from sdpipe.parallel import detect_gpu_count
+
+    gpus = detect_gpu_count()
+    wanted = cfg.train.num_processes
+    return gpus, (max(1, gpus) if wanted == "auto" else int(wanted))
+
+
+def _training_images(cfg) -> int | None:
+    """Images in data.raw_dir less the held-out share (sidecar captions aside); None without the folder."""
+    from sdpipe.stages.prepare import scan
+
+    raw = Path(cfg.data.raw_dir)
+    if not raw.is_dir():
+        return None
+    return round(len(scan(raw, cfg.data.caption_extensions)[0]) * (1 - cfg.prepare.eval_fraction))
+
+
+def _schedule(cfg) -> str:
+    t = cfg.train
+    gpus, procs = _processes(cfg)
+    batch = procs * t.per_device_batch_size * t.grad_accum_steps
+    head = (f"schedule: {gpus} GPU(s) here, {procs} process(es) x {t.per_device_batch_size} per device x "
+            f"{t.grad_accum_steps} accumulation = global batch {batch}")
+    images = _training_images(cfg)
+    if not images:
+        steps = f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs} epoch(s)"
+        return f"{head}; {steps} (no images in {cfg.data.raw_dir} yet to count epochs)"
+    if t.max_steps:
+        return f"{head}; {t.max_steps} optimizer steps, about {t.max_steps * batch / images:.1f} epochs of {images} images"
+    return f"{head}; {t.epochs} epoch(s) of {images} images, about {t.epochs * math.ceil(images / batch)} steps"
+
+
+def memory_gb(family: str, unet_params: int, mode: str, per_device_batch: int, resolution: int,
+              checkpointing: bool) -> tuple[float, float]:
+    """(weights and optimizer state, activations) in GB per GPU, by the rule of thumb above."""
+    state = unet_params * BYTES_PER_PARAM[mode] / 1e9
+    acts = per_device_batch * resolution ** 2 / 1e6 * ACTIVATION_GB_PER_MP[family]
+    return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
+
+
+def _memory(cfg, unet: dict | None) -> str:
+    if unet is None:
+        return "memory per GPU: unknown (the UNet's config is not found)"
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        params = sum(p.numel() for p in UNet2DConditionModel.from_config(unet).parameters())
+    t = cfg.train
+    state, acts = memory_gb(_family(unet), params, t.mode, t.per_device_batch_size, cfg.prepare.buckets.resolution,
+                            t.gradient_checkpointing)
+    return (f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M UNet parameters: {state:.1f} GB of "
+            f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)")
+
+
+def _outputs(cfg) -> str:
+    files = ["results/export/diffusers/"] + (["results/export/model.safetensors"] if cfg.export.single_file else [])
+    if cfg.train.mode == "lora":
+        files += ["results/export/lora/", "results/export/lora_kohya.safetensors"]
+    return "outputs: " + ", ".join(files + ["results/evaluate/metrics.json", "results/report/index.html"])
