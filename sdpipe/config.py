@@ -301,7 +301,7 @@ def _with_defaults(validator_class):
                 if "default" in sub:
                     instance.setdefault(name, copy.deepcopy(sub["default"]))
                 if name in instance:
-                    instance[name] = _number_from_text(validator.evolve(schema=sub), instance[name])
+                    instance[name] = _number_from_text(validator, sub, instance[name])
         yield from check_properties(validator, properties, instance, schema)
 
     return validators.extend(validator_class, {"properties": set_defaults})
@@ -311,10 +311,13 @@ _Validator = _with_defaults(Draft202012Validator)
 NUMBER_TEXT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
-def _number_from_text(validator, value):
+def _number_from_text(validator, schema: dict, value):
     """`1e-4` as the number it means: YAML 1.1 (PyYAML, which Snakemake uses too) reads a float without a dot as a
-    string. Only where the string itself is not allowed and the number is."""
-    if not isinstance(value, str) or not NUMBER_TEXT.fullmatch(value.strip()) or validator.is_valid(value):
+    string. Only where the string itself is not allowed by `schema` and the number is."""
+    if not isinstance(value, str) or not NUMBER_TEXT.fullmatch(value.strip()):
+        return value
+    validator = validator.evolve(schema=schema)
+    if validator.is_valid(value):
         return value
     number = float(value)
     for candidate in ((int(number),) if number.is_integer() else ()) + (number,):
