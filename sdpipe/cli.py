@@ -92,8 +92,10 @@ def _cmd_fetch_weights(args) -> int:
 
 def _cmd_check_config(args) -> int:
     from sdpipe import plan
+    from sdpipe.config import check_user_config
 
     cfg = load_config(args.config, args.set)
+    check_user_config(cfg)
     print(f"{args.config}: ok")
     for line in plan.lines(cfg):
         print(f"  {line}")

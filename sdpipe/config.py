@@ -424,14 +424,19 @@ def _resolve_types(cls) -> None:
 _resolve_types(Config)
 
 
-def _check_combinations(cfg: Config) -> None:
-    """Rules between keys that a per-key schema cannot say."""
+def check_user_config(cfg: Config) -> None:
+    """Rules for the config a user writes (the workflow checks it when it loads, and check-config), not for the
+    per-stage configs derived from it: after model.train_vae, stages get model.pretrained = the trained pipeline."""
     m = cfg.model
     if m.build_preset and Path(m.pretrained).name != m.build_preset:
         raise UserError(f"config: model.build_preset = {m.build_preset} builds a random-init model at model.pretrained "
                         f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
                         f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
                         f"models/{m.build_preset})")
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Rules between keys that a per-key schema cannot say."""
     if cfg.train.mode == "lora" and cfg.train.text_encoder.mode == "full":
         raise UserError("config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "
                         "fully trained text encoder, so its exports would not reproduce the trained model; set "

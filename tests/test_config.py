@@ -71,12 +71,15 @@ def test_numbers_written_as_peers_write_them_are_numbers(tmp_path):
 def test_a_demo_preset_cannot_be_built_over_a_real_model_path():
     """Only model.pretrained changed to a hub id, build_preset still the demo's: a random model would be built in a
     folder named like the hub id and hide the real weights."""
+    hub = {"model": {"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5", "build_preset": "tiny"}}
     with pytest.raises(UserError) as err:
-        config.from_dict({"model": {"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5", "build_preset": "tiny"}})
+        config.check_user_config(config.from_dict(hub))
     assert "set model.build_preset: null" in str(err.value) and "\n" not in str(err.value)
-    assert config.from_dict({"model": {"pretrained": "models/tiny", "build_preset": "tiny"}}).model.build_preset == "tiny"
-    assert config.from_dict({"model": {"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5",
-                                       "build_preset": None}}).model.build_preset is None
+    config.check_user_config(config.from_dict({"model": {"pretrained": "models/tiny", "build_preset": "tiny"}}))
+    config.check_user_config(config.from_dict({"model": {**hub["model"], "build_preset": None}}))
+    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set",
+                           "model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "set model.build_preset: null" in proc.stderr
 
 
 def test_a_lora_run_cannot_train_the_whole_text_encoder():

@@ -84,6 +84,13 @@ def test_bad_config_stops_before_any_job(tmp_path):
     assert "Traceback" not in proc.stderr and not (proj / "results" / "prepare").exists()
 
 
+def test_the_workflow_refuses_a_demo_preset_over_a_real_model_before_any_job(tmp_path):
+    proj = make_project(tmp_path / "p", None, model={"pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5"})
+    proc = run(["snakemake", "--cores", "1", "-n"], proj, check=False)
+    assert proc.returncode != 0 and "set model.build_preset: null" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (proj / "models").exists()
+
+
 def test_snakemake_reads_1e_4_as_the_number_check_config_reads(tmp_path):
     """One effective config: a learning rate written 1e-4 reaches the stages as 0.0001 through Snakemake too."""
     proj = make_project(tmp_path / "p", None)

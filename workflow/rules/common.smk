@@ -3,14 +3,16 @@ import sys
 from pathlib import Path
 
 from sdpipe.errors import UserError
-from sdpipe.config import from_dict
+from sdpipe.config import check_user_config, from_dict
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
 from sdpipe import io as sdpipe_io
 
 # Validate against sdpipe/config.schema.yaml before any job is planned; a bad value stops here with
 # one line naming the key, the value and what is allowed.
 try:
-    CFG = from_dict(config).raw
+    _cfg = from_dict(config)
+    check_user_config(_cfg)
+    CFG = _cfg.raw
 except UserError as exc:
     sys.stderr.write(f"sdpipe: {exc}\n")
     sys.exit(2)
