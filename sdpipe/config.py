@@ -476,8 +476,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read, override, validate: a bad file or value is a one-line UserError."""
+def read_file(path: str | Path) -> dict:
+    """One config file as a dict; a missing or malformed file is a one-line UserError."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
@@ -490,4 +490,27 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise UserError(f"config file {path}: expected a mapping of sections at the top level")
-    return from_dict(apply_overrides(raw, list(overrides)))
+    return raw
+
+
+def merge(base: dict, update: dict) -> dict:
+    """`update` over `base`, section by section (Snakemake's rule for several config files)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def effective(files: list[str | Path], overrides: dict | None = None) -> Config:
+    """THE effective config, the same for Snakemake, check-config and every stage: the schema's defaults, then the
+    user's files in order, then command-line overrides. Nothing else sits underneath: a user's own file does not
+    inherit the demo's settings from config/config.yaml."""
+    raw: dict = {}
+    for path in files:
+        raw = merge(raw, read_file(path))
+    return from_dict(merge(raw, overrides or {}))
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read, override, validate: a bad file or value is a one-line UserError."""
+    return effective([path], apply_overrides({}, list(overrides)))

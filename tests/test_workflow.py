@@ -102,6 +102,25 @@ def test_snakemake_reads_1e_4_as_the_number_check_config_reads(tmp_path):
     assert yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())["train"]["learning_rate"] == 1e-4
 
 
+def test_a_users_configfile_means_what_check_config_says(tmp_path):
+    """One effective config: `snakemake --configfile my.yaml` gives the stages exactly what `sdpipe check-config
+    --config my.yaml` validates (schema defaults under the user's file), with nothing inherited from the demo's
+    config/config.yaml (its train_vae, learning rate, text encoder)."""
+    proj = make_project(tmp_path / "p", None)
+    mine = {"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
+            "prepare": {"buckets": {"resolution": 32, "step": 8}}, "train": {"max_steps": 3}}
+    (proj / "my.yaml").write_text(yaml.safe_dump(mine))
+    run(["snakemake", "--cores", "1", "-n", "--configfile", "my.yaml", "--config", "seed=7"], proj)
+    resolved = yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())
+    from sdpipe import config
+
+    assert resolved == config.load(proj / "my.yaml", ["seed=7"]).raw
+    demo_cfg = yaml.safe_load((proj / "config" / "config.yaml").read_text())
+    assert demo_cfg["model"]["train_vae"]["enabled"] and not resolved["model"]["train_vae"]["enabled"]
+    assert resolved["train"]["text_encoder"]["mode"] == "none" and resolved["train"]["learning_rate"] == 1e-4
+    assert resolved["seed"] == 7 and resolved["train"]["max_steps"] == 3
+
+
 def test_lint_is_clean():
     proc = run(["snakemake", "--lint"], REPO)
     assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr

@@ -3,14 +3,17 @@ import sys
 from pathlib import Path
 
 from sdpipe.errors import UserError
-from sdpipe.config import check_user_config, from_dict
+from sdpipe.config import check_user_config, effective
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
 from sdpipe import io as sdpipe_io
 
-# Validate against sdpipe/config.schema.yaml before any job is planned; a bad value stops here with
-# one line naming the key, the value and what is allowed.
+# One effective config, the same as `sdpipe check-config --config FILE` gives: schema defaults, then the config
+# file(s), then --config values. Snakemake itself merges --configfile over the Snakefile's config/config.yaml (the
+# demo), so a user's own file would inherit the demo's settings; the files are read again here instead. A bad value
+# stops here with one line naming the key, the value and what is allowed.
+_USER_FILES = workflow.overwrite_configfiles or ["config/config.yaml"]
 try:
-    _cfg = from_dict(config)
+    _cfg = effective(_USER_FILES, workflow.config_settings.config)
     check_user_config(_cfg)
     CFG = _cfg.raw
 except UserError as exc:
