@@ -428,11 +428,18 @@ def check_user_config(cfg: Config) -> None:
     """Rules for the config a user writes (the workflow checks it when it loads, and check-config), not for the
     per-stage configs derived from it: after model.train_vae, stages get model.pretrained = the trained pipeline."""
     m = cfg.model
+    if m.train_vae.enabled and not m.build_preset:
+        raise UserError(f"config: model.train_vae.enabled retrains the VAE of {m.pretrained} from your images, a "
+                        f"setting for the demo's random-init preset; for real weights set model.train_vae.enabled: "
+                        f"false")
     if m.build_preset and Path(m.pretrained).name != m.build_preset:
         raise UserError(f"config: model.build_preset = {m.build_preset} builds a random-init model at model.pretrained "
                         f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
                         f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
                         f"models/{m.build_preset})")
+    from sdpipe import model_facts
+
+    model_facts.check(cfg)
 
 
 def _check_combinations(cfg: Config) -> None:

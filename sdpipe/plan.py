@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sdpipe import model_facts
 from sdpipe.errors import UserError
 
 # Activation memory per sample and megapixel of training resolution (eager, bf16): the whole-DAG peaks of
@@ -27,21 +28,8 @@ def lines(cfg) -> list[str]:
 
 def _unet_config(cfg) -> dict | None:
     """The UNet's config: the preset's when one is built, else the model's own files (None if not found)."""
-    if cfg.model.build_preset:
-        from sdpipe.models import presets
-
-        return presets.unet_config(cfg.model.build_preset)
-    from sdpipe import weights
-    from sdpipe.io import read_json
-
-    try:
-        return read_json(weights.resolve(cfg.model.pretrained, cfg.model.revision) / "unet" / "config.json")
-    except (UserError, OSError):
-        return None
-
-
-def _family(unet: dict) -> str:
-    return "sdxl" if unet.get("addition_embed_type") == "text_time" else "sd"
+    found = model_facts.configs(cfg)
+    return found[0] if found else None
 
 
 def _model(cfg, unet: dict | None) -> str:
@@ -56,7 +44,7 @@ def _model(cfg, unet: dict | None) -> str:
     except UserError as exc:
         return f"model: NOT FOUND: {exc}"
     kind = "local folder" if weights.is_local(m.pretrained) else f"hub id in the cache ({where})"
-    name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[_family(unet)] if unet else "unknown family (no unet/config.json)"
+    name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[model_facts.family(unet)] if unet else "unknown family (no unet/config.json)"
     return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
 
 
@@ -129,7 +117,7 @@ def _memory(cfg, unet: dict | None) -> str:
     with init_empty_weights():
         params = sum(p.numel() for p in UNet2DConditionModel.from_config(unet).parameters())
     t = cfg.train
-    state, acts = memory_gb(_family(unet), params, t.mode, t.per_device_batch_size, cfg.prepare.buckets.resolution,
+    state, acts = memory_gb(model_facts.family(unet), params, t.mode, t.per_device_batch_size, cfg.prepare.buckets.resolution,
                             t.gradient_checkpointing)
     return (f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M UNet parameters: {state:.1f} GB of "
             f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)")

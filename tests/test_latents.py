@@ -250,6 +250,7 @@ def test_buckets_must_fit_the_vae_and_the_unet_downsampling(tmp_path, preset, mu
     the VAE's factor times the UNet's, read from the model's config files (no weights loaded)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
+    from sdpipe import model_facts
     from sdpipe.config import from_dict
     from sdpipe.models import presets
     from sdpipe.stages import latents
@@ -259,8 +260,7 @@ def test_buckets_must_fit_the_vae_and_the_unet_downsampling(tmp_path, preset, mu
     UNet2DConditionModel.from_config(presets.unet_config(preset)).save_config(root / "unet")
     (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     cfg = from_dict({"model": {"pretrained": str(root)}})
-    vae_factor = 2 ** (len(presets.vae_config(preset)["block_out_channels"]) - 1)
-    assert latents.bucket_multiple(cfg, vae_factor) == multiple
+    assert model_facts.bucket_multiple(*model_facts.configs(cfg)) == multiple
     latents._check_buckets([{"bucket": [multiple * 3, multiple * 2]}], multiple)
     with pytest.raises(UserError, match=f"set prepare.buckets.step to a multiple of {multiple}"):
         latents._check_buckets([{"bucket": [multiple * 3 + multiple // 2, multiple * 2]}], multiple)

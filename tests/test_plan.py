@@ -52,3 +52,29 @@ def test_the_memory_rule_of_thumb_reproduces_the_peaks_it_came_from(family, para
     """Its constants come from these NOTES v12 peaks; this keeps the rule and its sources together."""
     state, acts = plan.memory_gb(family, int(params), mode, batch, res, checkpointing=False)
     assert state + acts == pytest.approx(peak, rel=0.12)
+
+
+def config_only_model(root, preset: str):
+    """A model folder with the preset's config files and no weights: all the checks read."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from sdpipe.models import presets
+
+    AutoencoderKL.from_config(presets.vae_config(preset)).save_config(root / "vae")
+    UNet2DConditionModel.from_config(presets.unet_config(preset)).save_config(root / "unet")
+    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    return root
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"prepare": {"buckets": {"resolution": 32, "step": 64}}}, "resolution = 32 for a model made for 512 px"),
+    ({"prepare": {"buckets": {"resolution": 512, "step": 8}}}, "step = 8 must be a multiple of 64"),
+    ({"model": {"train_vae": {"enabled": True}}}, "for real weights set model.train_vae.enabled: false")])
+def test_demo_settings_on_a_real_model_fail_before_any_work(tmp_path, changes, message):
+    """The demo's settings (32 px buckets of step 8, a VAE trained from the images) cannot slip into a run on real
+    SD weights: the check reads the model's own config files."""
+    model = config_only_model(tmp_path / "sd15", "sd15")
+    raw = config.merge({"model": {"pretrained": str(model)}}, changes)
+    with pytest.raises(config.UserError, match=message):
+        config.check_user_config(config.from_dict(raw))
+    config.check_user_config(config.from_dict({"model": {"pretrained": str(model)}}))  # the defaults fit SD 1.5

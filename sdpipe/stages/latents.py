@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from sdpipe import hashing, io, parallel
+from sdpipe import hashing, io, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
@@ -54,18 +54,6 @@ def describe_model(cfg) -> dict:
 
 def _tokenizers(text_components: list[str]) -> list[str]:
     return [name.replace("text_encoder", "tokenizer") for name in text_components]
-
-
-def bucket_multiple(cfg, vae_downsample: int) -> int:
-    """What every bucket side must be a multiple of: the VAE's downsampling times the UNet's (each down block but
-    the last halves the latent; SD 1.5: 8 x 8 = 64 px, SDXL: 8 x 4 = 32 px)."""
-    from diffusers import UNet2DConditionModel
-
-    from sdpipe.models import loading
-
-    local = str(loading.model_index(cfg.model.pretrained, cfg.model.revision)[0])
-    unet_cfg = UNet2DConditionModel.load_config(local, subfolder="unet")
-    return vae_downsample * 2 ** (len(unet_cfg["down_block_types"]) - 1)
 
 
 def _check_buckets(rows: list[dict], factor: int) -> None:
@@ -118,7 +106,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
-    _check_buckets(rows, bucket_multiple(cfg, model["vae_downsample"]))
+    _check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg)))
     items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
 
     root = Path(cfg.cache_dir)
