@@ -27,7 +27,8 @@ STAGES = {
     "benchmark": "sdpipe.stages.benchmark",
     "report": "sdpipe.stages.report",
 }
-TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "bench-dag", "pod", "runpod", "check-config")
+TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "bench-dag", "pod", "runpod", "check-config", "init",
+         "dvc-yaml")
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -99,6 +100,10 @@ def _cmd_check_config(args) -> int:
     print(f"{args.config}: ok")
     for line in plan.lines(cfg):
         print(f"  {line}")
+    if args.print:
+        import yaml
+
+        print(yaml.safe_dump(cfg.raw, sort_keys=False), end="")
     return 0
 
 
@@ -165,10 +170,28 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     runpod_api.add_arguments(p)
     p.set_defaults(handler=runpod_api.run)
 
-    p = sub.add_parser("check-config", help="validate a config file and exit")
+    p = sub.add_parser("check-config", help="validate a config file, print what it will do, and exit")
     _add_config_flags(p)
+    p.add_argument("--print", action="store_true", help="also print the effective config (every key, defaults filled)")
     p.set_defaults(handler=_cmd_check_config)
+
+    p = sub.add_parser("init", help="a project for one job from a template: sdpipe init FOLDER --template sd15-lora "
+                                    "--images PHOTOS --model BASE")
+    from sdpipe import project
+
+    project.add_arguments(p)
+    p.set_defaults(handler=project.run)
+
+    p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the config (the stages, and the model files it uses)")
+    _add_config_flags(p)
+    p.set_defaults(handler=_cmd_dvc_yaml)
     return parser
+
+
+def _cmd_dvc_yaml(args) -> int:
+    from sdpipe import dvc_file
+
+    return dvc_file.main(args)
 
 
 def _cmd_bench_dag(args) -> int:

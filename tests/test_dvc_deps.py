@@ -1,55 +1,52 @@
-"""dvc.yaml's code dependencies cover every sdpipe module a stage imports, directly or not, at module level or
-inside a function: otherwise a code change leaves `dvc repro` saying everything is up to date."""
+"""dvc.yaml follows the config (sdpipe/dvc_file.py): the committed one is what `sdpipe dvc-yaml` makes from the
+demo config, a real job's has no demo paths, and its code dependencies cover every sdpipe module a stage imports,
+directly or not, at module level or inside a function (otherwise a code change leaves `dvc repro` saying
+everything is up to date)."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 import yaml
 
+from sdpipe import config, dvc_file
+
 REPO = Path(__file__).resolve().parent.parent
-STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-ROOTS = {"base_model": "sdpipe.models.presets"}  # the rest: sdpipe.stages.<stage>
 
 
-def module_file(name: str) -> Path | None:
-    base = REPO / Path(*name.split("."))
-    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
-
-
-def imported(name: str) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(module_file(name).read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in found if m.split(".")[0] == "sdpipe" and module_file(m)}
-
-
-def closure(root: str) -> set[str]:
-    """The module, what it imports, and the packages around each (importing a.b runs a/__init__.py)."""
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            parts = name.split(".")
-            todo += [*imported(name), *(".".join(parts[:i]) for i in range(1, len(parts)))]
-    return seen
+def test_the_committed_dvc_yaml_is_the_one_the_demo_config_makes():
+    demo = config.load(REPO / "config" / "config.yaml")
+    assert (REPO / "dvc.yaml").read_text() == dvc_file.text(demo, REPO), "run `sdpipe dvc-yaml` and commit dvc.yaml"
 
 
 def test_the_closure_follows_imports_inside_functions():
-    assert "sdpipe.generate" in closure("sdpipe.stages.evaluate")  # imported inside render()
-    assert "sdpipe.models" in closure("sdpipe.models.presets")
+    assert "sdpipe.generate" in dvc_file.code_modules("sdpipe.stages.evaluate", REPO)  # imported inside render()
+    assert "sdpipe.models" in dvc_file.code_modules("sdpipe.models.presets", REPO)
+    assert "sdpipe.train.loop" in dvc_file.code_modules("sdpipe.stages.train", REPO)
 
 
-@pytest.mark.parametrize("stage", sorted(STAGES))
-def test_every_imported_module_is_a_dependency(stage):
-    deps = [d.rstrip("/") for d in STAGES[stage].get("deps", []) if d.startswith("sdpipe")]
-    files = {str(module_file(m).relative_to(REPO)) for m in closure(ROOTS.get(stage, f"sdpipe.stages.{stage}"))}
-    missing = sorted(f for f in files if not any(f == d or f.startswith(d + "/") for d in deps))
-    assert not missing, f"dvc.yaml stage {stage} lacks code deps: {missing}"
-    assert all((REPO / d).exists() for d in deps), "a dependency that does not exist"
+@pytest.mark.parametrize("stage", sorted(dvc_file.STAGES))
+def test_every_code_dependency_exists_and_each_stage_covers_its_module(stage):
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    deps = [d for d in stages[stage].get("deps", []) if d.startswith("sdpipe")]
+    assert deps and all((REPO / d).is_file() for d in deps)
+    assert f"sdpipe/stages/{stage}.py" in deps or stage == "base_model"
+
+
+def test_a_real_jobs_dvc_yaml_has_no_demo_paths(tmp_path):
+    """A local checkpoint and the user's images folder are dependencies; a hub id is a param, not a path; without
+    the sdpipe source in the project there are no code paths (an installed package)."""
+    photos = tmp_path / "photos"
+    local = config.from_dict({"model": {"pretrained": str(tmp_path / "my-model.safetensors")},
+                              "data": {"raw_dir": str(photos)}})
+    stages = dvc_file.render(local, tmp_path)["stages"]
+    assert set(stages) == set(dvc_file.STAGES) - {"base_model", "train_vae"}
+    text = yaml.safe_dump(stages)
+    assert "models/tiny" not in text and "results/vae" not in text and "sdpipe/" not in text
+    assert str(photos) in stages["prepare"]["deps"]
+    assert str(tmp_path / "my-model.safetensors") in stages["latents"]["deps"]
+    hub = config.from_dict({"model": {"pretrained": "stabilityai/stable-diffusion-xl-base-1.0"}})
+    stages = dvc_file.render(hub, tmp_path)["stages"]
+    assert not any("stabilityai" in d for s in stages.values() for d in s.get("deps", []))
+    assert "model" in stages["latents"]["params"][0]["config/config.yaml"]

@@ -1,0 +1,167 @@
+"""dvc.yaml, made from the config: `dvc repro` runs any job without hand edits.
+
+DVC decides WHAT must rerun, Snakemake HOW: each DVC stage asks Snakemake for exactly one rule (--allowed-rules)
+and forces it (--forcerun), so the two never disagree about staleness. The stages, their outputs and the config
+keys each one reads are declared once in STAGES below; which model files they depend on follows the config (a
+built preset, a trained VAE, a local checkpoint, or nothing for a hub id, whose name and revision are params), and
+the code they depend on is every sdpipe module a stage imports, found by following its imports (where the project
+holds the sdpipe source; an installed package is versioned by its own version instead).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sdpipe import io
+
+HEADER = """\
+# Made by `sdpipe dvc-yaml` from config/config.yaml (sdpipe/dvc_file.py): run it again after changing the model,
+# the images folder or any model.* / dreambooth.enabled setting. DVC decides WHAT must rerun; Snakemake defines HOW
+# each stage runs (one rule each, forced, so the two never disagree). The caches under cache/ are not DVC outputs:
+# they are keyed by content and persist. Raw data: `dvc add` your images folder (see README "Snakemake and DVC").
+"""
+MANIFEST, CAPTIONS, LATENTS = "results/prepare/manifest.jsonl", "results/captions/captions.jsonl", \
+    "results/latents/index.json"
+TRAINED_VAE = "results/vae/model"
+
+
+@dataclass(frozen=True)
+class Stage:
+    rules: str                    # the rules Snakemake may run ("class_images prepare"); the first one is forced
+    target: str                   # Snakemake's target
+    deps: list[str]
+    params: list[str]             # config keys the stage reads
+    outs: list = field(default_factory=list)
+    metrics: list[str] = field(default_factory=list)
+    model: str | None = None      # "base": the base model is a dependency; "stage": the model stages load
+    modules: tuple[str, ...] = ()  # the modules whose imports are the stage's code (default sdpipe.stages.<name>)
+    extra: dict = field(default_factory=dict)
+
+
+STAGES = {
+    "base_model": Stage("base_model", "base_model", [], ["model", "seed"], modules=("sdpipe.models.presets",)),
+    "train_vae": Stage("train_vae", "results/vae/summary.json", [MANIFEST],
+                       ["model.train_vae", "prepare.buckets.resolution", "seed"], [TRAINED_VAE],
+                       ["results/vae/summary.json"], model="base"),
+    "prepare": Stage("class_images prepare", "prepare", ["RAW"], ["data", "prepare", "dreambooth"],
+                     [MANIFEST, "results/prepare/rejected.jsonl"], ["results/prepare/summary.json"],
+                     modules=("sdpipe.stages.prepare", "sdpipe.stages.class_images")),
+    "caption": Stage("caption", "caption", [MANIFEST], ["caption"], [CAPTIONS], ["results/captions/summary.json"]),
+    "latents": Stage("latents", "latents", [MANIFEST, CAPTIONS], ["latents", "model", "prepare.alpha_background"],
+                     [LATENTS], ["results/latents/summary.json"], model="stage"),
+    "train": Stage("train", "train", [LATENTS], ["train", "seed", "dreambooth.prior_loss_weight"],
+                   ["results/train/final"], ["results/train/summary.json"], model="stage",
+                   extra={"plots": [{"results/train/metrics.csv": {"cache": False, "x": "step", "y": "loss"}}]}),
+    "export": Stage("export", "export", ["results/train/final"], ["export", "train.prediction_type"],
+                    ["results/export"], model="stage"),
+    "evaluate": Stage("evaluate", "evaluate", ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
+                      ["evaluate", "benchmark"], [{"results/evaluate/samples": {"cache": False}}],
+                      ["results/evaluate/metrics.json"]),
+    "report": Stage("report", "report", ["results/evaluate/metrics.json", "results/export",
+                                         "results/train/metrics.csv"], [],
+                    [{"results/report": {"cache": False}}]),
+}
+PLOTS = [{"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"}}},
+         {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},
+         "results/evaluate/samples/grid.png"]
+
+
+def model_paths(cfg) -> tuple[str | None, str | None]:
+    """(the base model as a DVC dependency, the model later stages load): a local folder or file is a
+    dependency, a hub id is not (its name and revision are params)."""
+    from sdpipe import weights
+
+    m = cfg.model
+    base = m.pretrained if m.build_preset or weights.is_local(m.pretrained) else None
+    return base, (TRAINED_VAE if m.train_vae.enabled else base)
+
+
+def wanted(name: str, cfg) -> bool:
+    return {"base_model": bool(cfg.model.build_preset), "train_vae": cfg.model.train_vae.enabled}.get(name, True)
+
+
+def stage_entry(name: str, stage: Stage, cfg, code: list[str]) -> dict:
+    base, stage_model = model_paths(cfg)
+    deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
+    if name == "prepare" and cfg.dreambooth.enabled and base:
+        deps.append(base)  # class images come from the base model
+    model = {"base": base, "stage": stage_model}.get(stage.model or "")
+    deps += ([model] if model else []) + code
+    entry = {"cmd": f"snakemake --allowed-rules {stage.rules} --forcerun {stage.rules.split()[-1]} -- {stage.target}"}
+    if deps:
+        entry["deps"] = deps
+    if stage.params:
+        entry["params"] = [{"config/config.yaml": stage.params}]
+    outs = [cfg.model.pretrained] if name == "base_model" else stage.outs
+    if outs:
+        entry["outs"] = outs
+    if stage.metrics:
+        entry["metrics"] = [{m: {"cache": False}} for m in stage.metrics]
+    return {**entry, **stage.extra}
+
+
+def render(cfg, project: Path) -> dict:
+    source = project / "sdpipe"
+    stages = {}
+    for name, stage in STAGES.items():
+        if wanted(name, cfg):
+            roots = stage.modules or (f"sdpipe.stages.{name}",)
+            files = set().union(*(code_files(m, project) for m in roots)) if source.is_dir() else set()
+            code = sorted(str(p.relative_to(project)) for p in files)
+            stages[name] = stage_entry(name, stage, cfg, code)
+    return {"stages": stages, "plots": PLOTS}
+
+
+def text(cfg, project: Path) -> str:
+    import yaml
+
+    return HEADER + yaml.safe_dump(render(cfg, project), sort_keys=False, width=120)
+
+
+def write(project: Path, cfg) -> Path:
+    path = project / "dvc.yaml"
+    io.write_text(path, text(cfg, project))
+    return path
+
+
+# Code dependencies: the stage's module, every sdpipe module it imports (at module level or inside a function,
+# directly or not), and the packages around each (importing a.b runs a/__init__.py).
+
+def _module_file(name: str, project: Path) -> Path | None:
+    base = project / Path(*name.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def _imports(name: str, project: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(_module_file(name, project).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m.split(".")[0] == "sdpipe" and _module_file(m, project)}
+
+
+def code_modules(root: str, project: Path) -> set[str]:
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            parts = name.split(".")
+            todo += [*_imports(name, project), *(".".join(parts[:i]) for i in range(1, len(parts)))]
+    return seen
+
+
+def code_files(root: str, project: Path) -> set[Path]:
+    return {_module_file(m, project) for m in code_modules(root, project)}
+
+
+def main(args) -> int:
+    from sdpipe.config import load
+
+    path = write(Path("."), load(args.config, args.set))
+    print(f"wrote {path}")
+    return 0
