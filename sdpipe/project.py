@@ -117,8 +117,9 @@ def _check_family(template: str, cfg) -> None:
 
 
 def init(folder: Path, template: str, images: Path, model: str, prompts: list[str], force: bool = False,
-         **extra) -> Path:
-    """Write the project; return its config file. Nothing is written when any check fails."""
+         source: Path | None = None, **extra) -> Path:
+    """Write the project (the workflow copied from `source`, default workflow_source()); return its config file.
+    Nothing is written when any check fails."""
     from sdpipe import config, pod
 
     images = images.expanduser().resolve()
@@ -135,7 +136,7 @@ def init(folder: Path, template: str, images: Path, model: str, prompts: list[st
     header = [f"sdpipe job from template {template}: {templates.summary(template)}",
               "Keys not listed take the schema's defaults; `sdpipe check-config --print` shows every effective value.",
               f"Written by: sdpipe init --template {template} (edit freely)", ""]
-    pod.seed_project(folder, workflow_source())
+    pod.seed_project(folder, source or workflow_source())
     target.parent.mkdir(parents=True, exist_ok=True)
     from sdpipe import io
 

@@ -84,6 +84,24 @@ def test_snakemake_plans_the_whole_dag_with_the_installed_package(installed, pro
     assert (project / "results" / "config.resolved.yaml").is_file()
 
 
+def test_init_from_the_installed_package_makes_a_project_snakemake_plans(installed, tmp_path, demo_source, tiny_model):
+    """`sdpipe init` as in the image: templates ship in the wheel, the workflow comes from the image's project
+    (SDPIPE_IMAGE_PROJECT; here this checkout stands in for /opt/sdpipe)."""
+    env_project = {"SDPIPE_IMAGE_PROJECT": str(REPO)}
+    job = tmp_path / "job"
+    cmd = ["sdpipe", "init", str(job), "--template", "sd15-lora", "--images", str(demo_source), "--model",
+           str(tiny_model), "--prompt", "a red circle"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**project_env(installed), **env_project}, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not (job / "sdpipe").exists() and (job / "Snakefile").is_file()
+    fast = {"prepare": {"min_size": 32, "buckets": {"resolution": 32, "step": 8}}}
+    (job / "fast.yaml").write_text(yaml.safe_dump(fast))
+    proc = run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/config.yaml",
+                "fast.yaml"], job, installed)
+    assert "rule train:" in proc.stdout and "rule base_model" not in proc.stdout
+
+
 def dockerfile() -> list[list[str]]:
     return [line.split() for line in (REPO / "Dockerfile").read_text().splitlines() if line.strip()]
 

@@ -25,7 +25,7 @@ def stage_table(res: dict) -> list[str]:
 def job_lines(name: str, res: dict) -> list[str]:
     j, t, e, ev = res["job"], res["train"], res["export"], res["evaluate"]
     share = res["non_training_share"]
-    lines = [f"### {name}: {j['images']} JPEGs at {j['resolution']} px, {j['mode']} fine-tune of the random-init "
+    lines = [f"### {name}: {j['images']} JPEGs at {j['resolution']} px, template {j['template']} on the random-init "
              f"{j['preset']} preset, batch {j['batch']}, {j['steps']} steps", ""] + stage_table(res) + [""]
     verdict = ""
     if name == "sd15-full":

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdpipe import io
+from sdpipe import io, templates
 
 BAR = re.compile(rb"Steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
@@ -36,11 +36,12 @@ def image_folder(project: Path, out: Path) -> Path:
 
 
 def command(script: Path, project: Path, job, data: Path, out: Path, steps: int) -> list[str]:
+    lr = templates.settings(job.template)["train"]["learning_rate"]  # the job's, as sdpipe trains it
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
             "--mixed_precision", "bf16", "--dynamo_backend", "no", str(script),
             "--pretrained_model_name_or_path", str(project / "models" / job.preset), "--train_data_dir", str(data),
             "--resolution", str(job.resolution), "--center_crop", "--train_batch_size", str(job.batch),
-            "--max_train_steps", str(steps), "--learning_rate", str(job.learning_rate), "--lr_scheduler", "constant",
+            "--max_train_steps", str(steps), "--learning_rate", str(lr), "--lr_scheduler", "constant",
             "--lr_warmup_steps", "0", "--mixed_precision", "bf16", "--output_dir", str(out),
             "--checkpointing_steps", "100000000", "--dataloader_num_workers", "8", "--seed", "0",
             "--report_to", "tensorboard"]
