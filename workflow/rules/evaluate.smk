@@ -7,8 +7,9 @@ rule export:
         final=rules.train.output.final,
         model=model_files,
     output:
-        summary=report("results/export/summary.json", caption="../report/export.rst", category="Export"),
-        diffusers=directory("results/export/diffusers"),
+        summary=report(f"{EXPORT_DIR}/{EXPORT_FILES.summary}", caption="../report/export.rst", category="Export"),
+        diffusers=directory(f"{EXPORT_DIR}/{EXPORT_FILES.diffusers}"),
+        **export_weight_files(),
     conda:
         "../envs/sdpipe.yaml"
     log:
