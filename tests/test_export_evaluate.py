@@ -223,3 +223,73 @@ def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family,
     assert meta["modelspec.resolution"] == "1024x1024" and all(isinstance(v, str) for v in meta.values())
     assert "ss_network_dim" not in file_metadata(cfg, info, tmp_path)
     assert (meta["ss_output_name"], file_metadata(cfg, info, tmp_path)["ss_output_name"]) == ("lora_kohya", "model")
+
+
+def _card(data, train_dir: Path, export_dir: Path, eval_dir: Path, out: Path, cfg=None) -> str:
+    from sdpipe.stages import card
+
+    inputs = {"prepare": data[0] / "p.json", "manifest": data[0] / "m.jsonl", "captions": data[0] / "c.jsonl",
+              "train_summary": train_dir / "summary.json", "export": export_dir / "summary.json",
+              "metrics": eval_dir / "metrics.json", "eval_grid": eval_dir / "samples" / "grid.png",
+              "eval_prompts": eval_dir / "samples" / "prompts.json"}
+    return card.run(cfg or _cfg(data), inputs, {"card": out / "README.md", "grid": out / "samples.png"})
+
+
+def _front_matter(text: str) -> dict:
+    import yaml
+
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def _run_card_code(text: str):
+    """The card's diffusers code block, run as a user would (on the CPU in fp32 here); returns its `pipe`."""
+    code = text.split("```python\n")[1].split("```")[0]
+    code = code.replace('.to("cuda")', "").replace("torch.float16", "torch.float32")
+    scope = {}
+    exec(code, scope)  # noqa: S102 - the test's point: the card's code runs as written
+    assert scope["image"].size == (32, 32)
+    return scope["pipe"]
+
+
+def test_the_model_card_describes_the_real_run_and_its_code_runs(data, full_run, exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights"))  # FID and CLIP score: null with their reason
+    metrics = _evaluate(data, exported, tmp_path / "eval")
+    text = _card(data, full_run.parent, exported.parent, tmp_path / "eval", tmp_path / "card")
+    assert (tmp_path / "card" / "README.md").read_text() == text
+    meta = _front_matter(text)
+    assert meta["license"] == "other" and "base_model" not in meta  # a local folder is no Hub id
+    assert {"stable-diffusion", "text-to-image", "diffusers"} <= set(meta["tags"]) and "lora" not in meta["tags"]
+    assert meta["widget"][0]["output"]["url"] == "samples.png"
+    assert (tmp_path / "card" / "samples.png").read_bytes() == (tmp_path / "eval/samples/grid.png").read_bytes()
+    summary = io.read_json(exported.parent / "summary.json")
+    for result in summary["formats"].values():
+        assert f"`{result['path']}`" in text  # every exported file, under its real name
+    assert str(data[1]["model"]["pretrained"]) in text and "Stable Diffusion 1.x" in text
+    train = io.read_json(full_run.parent / "summary.json")
+    assert f"| optimizer steps | {train['optimizer_steps']} (" in text
+    assert f"| 32x32 | {io.read_json(data[0] / 'p.json')['buckets']['32x32']} |" in text
+    assert f"not measured: {metrics['fid']['reason']}" in text
+    assert f"{metrics['colour_accuracy']['value']:.4g}" in text and "![samples](samples.png)" in text
+    pipe = _run_card_code(text)
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
+
+    hub = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # the card reads the config only: no weights needed
+    cfg = _cfg(data, model={"pretrained": hub}, export={"name": "my-model"})
+    meta = _front_matter(_card(data, full_run.parent, exported.parent, tmp_path / "eval", tmp_path / "hub", cfg))
+    assert (meta["base_model"], meta["base_model_relation"], meta["license"]) == (hub, "finetune",
+                                                                                   "creativeml-openrail-m")
+
+
+def test_a_lora_card_loads_the_named_lora_on_its_base(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights"))
+    final = _train(data, tmp_path / "train", mode="lora", lora={"rank": 4, "alpha": 2})
+    cfg = _cfg(data, train={"mode": "lora", "lora": {"rank": 4, "alpha": 2}}, export={"name": "my-dog"})
+    export.run(cfg, {"final": final}, {"out": tmp_path / "e", "summary": tmp_path / "e" / "summary.json"})
+    _evaluate(data, tmp_path / "e" / "diffusers", tmp_path / "eval", cfg)
+    text = _card(data, tmp_path / "train", tmp_path / "e", tmp_path / "eval", tmp_path / "card", cfg)
+    meta = _front_matter(text)
+    assert "lora" in meta["tags"] and "| unet | LoRA, rank 4, alpha 2 |" in text
+    assert 'weight_name="my-dog_lora.safetensors"' in text and "my-dog_lora_kohya.safetensors" in text
+    pipe = _run_card_code(text)
+    assert pipe.get_active_adapters()  # the named LoRA, loaded from its folder by weight_name
