@@ -206,6 +206,7 @@ class TrainConfig:
     resume: str | None
     log_every: int
     tracker: str
+    tracker_project: str
     validation: ValidationConfig
     ema: EmaConfig
     lora: LoraConfig
