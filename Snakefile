@@ -1,4 +1,4 @@
-# sdpipe: raw images -> prepare -> caption -> latents -> train -> export -> evaluate -> report.
+# sdpipe: raw images -> prepare -> caption -> latents -> train -> export -> evaluate -> report and model card.
 # Rules live in workflow/rules/, one file per phase; every rule calls one `sdpipe <stage>` command.
 from snakemake.utils import min_version
 
@@ -19,3 +19,4 @@ rule all:
     default_target: True
     input:
         rules.report.output,
+        rules.card.output,

@@ -26,6 +26,7 @@ STAGES = {
     "evaluate": "sdpipe.stages.evaluate",
     "benchmark": "sdpipe.stages.benchmark",
     "report": "sdpipe.stages.report",
+    "card": "sdpipe.stages.card",
 }
 TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "bench-dag", "pod", "runpod", "check-config", "init",
          "dvc-yaml")

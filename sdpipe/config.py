@@ -206,6 +206,7 @@ class TrainConfig:
     resume: str | None
     log_every: int
     tracker: str
+    tracker_project: str
     validation: ValidationConfig
     ema: EmaConfig
     lora: LoraConfig
@@ -230,6 +231,7 @@ class ExportConfig:
     dtype: str
     ema: bool
     single_file: bool
+    name: str | None
     verify: VerifyConfig
 
 
@@ -355,8 +357,8 @@ def _allowed(error) -> str:
         return f"only the keys {sorted(schema.get('properties', {}))}"
     if kind == "oneOf":
         return " or ".join(_describe(s) for s in schema["oneOf"])
-    if kind == "pattern":
-        return f"a string matching {schema['pattern']!r}"
+    if kind == "pattern":  # x-pattern-means says it in words where a regex would not tell the user much
+        return schema.get("x-pattern-means") or f"a string matching {schema['pattern']!r}"
     if kind == "uniqueItems":
         return "a list without repeats"
     return error.message

@@ -62,6 +62,11 @@ STAGES = {
     "report": Stage("report", "report", ["results/evaluate/metrics.json", "results/export",
                                          "results/train/metrics.csv"], [],
                     [{"results/report": {"cache": False}}]),
+    # The model card in its own folder: results/export is the export stage's output, and the card needs evaluate.
+    "card": Stage("card", "card", ["results/prepare/summary.json", MANIFEST, CAPTIONS, "results/train/summary.json",
+                                   "results/export", "results/evaluate/metrics.json", "results/evaluate/samples"],
+                  ["model.pretrained", "export.name", "train", "prepare.buckets.resolution", "seed", "dreambooth",
+                   "evaluate.steps", "evaluate.guidance"], [{"results/card": {"cache": False}}]),
 }
 PLOTS = [{"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"}}},
          {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},

@@ -124,7 +124,9 @@ def _memory(cfg, unet: dict | None) -> str:
 
 
 def _outputs(cfg) -> str:
-    files = ["results/export/diffusers/"] + (["results/export/model.safetensors"] if cfg.export.single_file else [])
-    if cfg.train.mode == "lora":
-        files += ["results/export/lora/", "results/export/lora_kohya.safetensors"]
-    return "outputs: " + ", ".join(files + ["results/evaluate/metrics.json", "results/report/index.html"])
+    from sdpipe.export.names import for_config
+
+    exported = for_config(cfg).files()
+    files = [f"results/export/{path}" + ("/" if name == "diffusers" else "") for name, path in exported.items()]
+    return "outputs: " + ", ".join(files + ["results/evaluate/metrics.json", "results/report/index.html",
+                                            "results/card/README.md"])

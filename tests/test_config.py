@@ -37,6 +37,9 @@ def test_empty_config_takes_schema_defaults():
     ({"prepare": {"min_size": "big"}}, "prepare.min_size = 'big' is not allowed; expected a value of type integer"),
     ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl']"),
     ({"seed": -1}, "seed = -1 is not allowed; expected a value >= 0"),
+    ({"export": {"name": "my dog"}}, "export.name = 'my dog' is not allowed; expected a file stem of letters, digits"),
+    ({"export": {"name": "../up"}}, "export.name = '../up' is not allowed; expected a file stem"),
+    ({"export": {"name": "dog.safetensors"}}, "without .safetensors"),
 ])
 def test_bad_values_name_key_value_and_allowed(raw, expected):
     with pytest.raises(UserError) as err:

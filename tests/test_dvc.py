@@ -1,5 +1,5 @@
 """`dvc repro` in a fresh git repo: runs every stage (base model, VAE, data, training, export, evaluation, report),
-gives the same metrics as a second run from scratch through Snakemake, does nothing the second time, reruns only evaluation and the report when only an evaluation setting changes, and
+gives the same metrics as a second run from scratch through Snakemake, does nothing the second time, reruns only evaluation, the report and the model card when only an evaluation setting changes, and
 after one image changes captions only that image (and retrains the VAE and the model on the new data)."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def test_dvc_repro_is_incremental(tmp_path, demo_source):
     assert (proj / "dvc.lock").is_file() and (proj / "results/train/final/unet").is_dir()
 
     assert (proj / "results/report/index.html").is_file() and (proj / "results/evaluate/metrics.json").is_file()
+    assert (proj / "results/card/README.md").read_text().startswith("---\nlicense: other\n")  # the model card too
     _same_metrics_from_a_second_run_from_scratch(proj, tmp_path / "again", demo_source)
     second = run([DVC, "repro"], proj)
     assert "Data and pipelines are up to date" in second.stdout
@@ -52,7 +53,7 @@ def test_dvc_repro_is_incremental(tmp_path, demo_source):
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     rerun = run([DVC, "repro"], proj).stdout
     ran = {line.split("'")[1] for line in rerun.splitlines() if line.startswith("Running stage")}
-    assert ran == {"evaluate", "report"}, rerun
+    assert ran == {"evaluate", "report", "card"}, rerun
 
     victim = sorted((proj / "data" / "raw").rglob("*.png"))[5]
     buf = pyio.BytesIO()

@@ -59,6 +59,8 @@ def full_run(data, tmp_path_factory):
 def test_full_fine_tune_exports_reload_pixel_exact_in_fp32(data, full_run, tmp_path):
     summary = export.run(_cfg(data), {"final": full_run}, {"out": tmp_path, "summary": tmp_path / "s.json"})
     assert set(summary["formats"]) == {"diffusers", "single_file"}
+    assert summary["formats"]["single_file"]["path"] == str(tmp_path / "model.safetensors")  # export.name: null
+    assert (summary["family"], summary["base_model_version"]) == ("sd", "sd_v1")
     for name, result in summary["formats"].items():
         assert result["verified"] and result["max_abs_diff"] == 0, (name, result)
     assert summary["formats"]["single_file"]["loader"] == "StableDiffusionPipeline.from_single_file"
@@ -76,26 +78,45 @@ def test_fp16_export_stays_within_tolerance(data, full_run, tmp_path):
     assert all(r["verified"] for r in summary["formats"].values())
 
 
-def test_lora_run_exports_diffusers_and_kohya_loras(data, tmp_path):
+def test_lora_run_exports_diffusers_and_kohya_loras_under_the_configured_name(data, tmp_path):
+    from sdpipe.export.names import export_files
+
     final = _train(data, tmp_path / "train", mode="lora", text_encoder={"mode": "lora"},
                    lora={"rank": 4, "alpha": 2})
-    summary = export.run(_cfg(data), {"final": final}, {"out": tmp_path / "e", "summary": tmp_path / "s.json"})
-    assert set(summary["formats"]) == {"diffusers", "single_file", "lora", "lora_kohya"}
+    out = tmp_path / "e"
+    (out / "lora").mkdir(parents=True)
+    for stale in ("model.safetensors", "lora/pytorch_lora_weights.safetensors"):  # an export under no name
+        (out / stale).write_bytes(b"old")
+    cfg = _cfg(data, export={"name": "my-dog"})
+    summary = export.run(cfg, {"final": final}, {"out": out, "summary": tmp_path / "s.json"})
+    files = export_files("my-dog", single_file=True, lora=True)
+    assert (files.single_file, files.lora_file, files.lora_kohya) == (
+        "my-dog.safetensors", "lora/my-dog_lora.safetensors", "my-dog_lora_kohya.safetensors")
+    assert {k: v["path"] for k, v in summary["formats"].items()} == {k: str(out / v) for k, v in files.files().items()}
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors") if "diffusers" not in p.parts) == \
+        sorted([files.single_file, files.lora_file, files.lora_kohya])  # the old names are gone
     assert all(r["verified"] for r in summary["formats"].values()), summary["formats"]
     assert summary["formats"]["lora"]["max_abs_diff"] == 0  # the adapter as trained, loaded the way users do
     from safetensors import safe_open
 
-    for name in ("lora_kohya.safetensors", "lora/pytorch_lora_weights.safetensors", "model.safetensors"):
-        with safe_open(str(tmp_path / "e" / name), framework="pt") as f:
+    for name in (files.lora_kohya, files.lora_file, files.single_file):
+        with safe_open(str(out / name), framework="pt") as f:
             meta = f.metadata()
         lora = "lora" in name
+        assert meta["modelspec.title"] == meta["ss_output_name"] == "my-dog"
         # what A1111/Forge/ComfyUI/Civitai read to class the file: the tiny preset is an SD 1.x pipeline
         assert meta["ss_base_model_version"] == "sd_v1" and meta["ss_v2"] == "False"
         assert meta["modelspec.architecture"] == "stable-diffusion-v1" + ("/lora" if lora else "")
         assert meta["modelspec.sai_model_spec"] == "1.0.0" and meta["ss_resolution"] == "(32, 32)"
         assert (meta.get("ss_network_dim"), meta.get("ss_network_alpha")) == (("4", "2") if lora else (None, None))
-    with safe_open(str(tmp_path / "e" / "lora" / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+    with safe_open(str(out / files.lora_file), framework="pt") as f:
         assert "lora_adapter_metadata" in f.metadata()  # diffusers' own alphas stay beside ours
+    # the folder loads as the card and README say: load_lora_weights(folder, weight_name=...)
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(cfg.model.pretrained))
+    pipe.load_lora_weights(str(out / files.lora_dir), weight_name=files.lora_weight)
+    assert pipe.get_active_adapters()
 
 
 def test_lora_against_another_base_and_missing_run_are_one_line(data, tmp_path):
@@ -201,3 +222,74 @@ def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family,
     assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_max_train_steps"]) == ("8", "4", "300")
     assert meta["modelspec.resolution"] == "1024x1024" and all(isinstance(v, str) for v in meta.values())
     assert "ss_network_dim" not in file_metadata(cfg, info, tmp_path)
+    assert (meta["ss_output_name"], file_metadata(cfg, info, tmp_path)["ss_output_name"]) == ("lora_kohya", "model")
+
+
+def _card(data, train_dir: Path, export_dir: Path, eval_dir: Path, out: Path, cfg=None) -> str:
+    from sdpipe.stages import card
+
+    inputs = {"prepare": data[0] / "p.json", "manifest": data[0] / "m.jsonl", "captions": data[0] / "c.jsonl",
+              "train_summary": train_dir / "summary.json", "export": export_dir / "summary.json",
+              "metrics": eval_dir / "metrics.json", "eval_grid": eval_dir / "samples" / "grid.png",
+              "eval_prompts": eval_dir / "samples" / "prompts.json"}
+    return card.run(cfg or _cfg(data), inputs, {"card": out / "README.md", "grid": out / "samples.png"})
+
+
+def _front_matter(text: str) -> dict:
+    import yaml
+
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def _run_card_code(text: str):
+    """The card's diffusers code block, run as a user would (on the CPU in fp32 here); returns its `pipe`."""
+    code = text.split("```python\n")[1].split("```")[0]
+    code = code.replace('.to("cuda")', "").replace("torch.float16", "torch.float32")
+    scope = {}
+    exec(code, scope)  # noqa: S102 - the test's point: the card's code runs as written
+    assert scope["image"].size == (32, 32)
+    return scope["pipe"]
+
+
+def test_the_model_card_describes_the_real_run_and_its_code_runs(data, full_run, exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights"))  # FID and CLIP score: null with their reason
+    metrics = _evaluate(data, exported, tmp_path / "eval")
+    text = _card(data, full_run.parent, exported.parent, tmp_path / "eval", tmp_path / "card")
+    assert (tmp_path / "card" / "README.md").read_text() == text
+    meta = _front_matter(text)
+    assert meta["license"] == "other" and "base_model" not in meta  # a local folder is no Hub id
+    assert {"stable-diffusion", "text-to-image", "diffusers"} <= set(meta["tags"]) and "lora" not in meta["tags"]
+    assert meta["widget"][0]["output"]["url"] == "samples.png"
+    assert (tmp_path / "card" / "samples.png").read_bytes() == (tmp_path / "eval/samples/grid.png").read_bytes()
+    summary = io.read_json(exported.parent / "summary.json")
+    for result in summary["formats"].values():
+        assert f"`{result['path']}`" in text  # every exported file, under its real name
+    assert str(data[1]["model"]["pretrained"]) in text and "Stable Diffusion 1.x" in text
+    train = io.read_json(full_run.parent / "summary.json")
+    assert f"| optimizer steps | {train['optimizer_steps']} (" in text
+    assert f"| 32x32 | {io.read_json(data[0] / 'p.json')['buckets']['32x32']} |" in text
+    assert f"not measured: {metrics['fid']['reason']}" in text
+    assert f"{metrics['colour_accuracy']['value']:.4g}" in text and "![samples](samples.png)" in text
+    pipe = _run_card_code(text)
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
+
+    hub = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # the card reads the config only: no weights needed
+    cfg = _cfg(data, model={"pretrained": hub}, export={"name": "my-model"})
+    meta = _front_matter(_card(data, full_run.parent, exported.parent, tmp_path / "eval", tmp_path / "hub", cfg))
+    assert (meta["base_model"], meta["base_model_relation"], meta["license"]) == (hub, "finetune",
+                                                                                   "creativeml-openrail-m")
+
+
+def test_a_lora_card_loads_the_named_lora_on_its_base(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights"))
+    final = _train(data, tmp_path / "train", mode="lora", lora={"rank": 4, "alpha": 2})
+    cfg = _cfg(data, train={"mode": "lora", "lora": {"rank": 4, "alpha": 2}}, export={"name": "my-dog"})
+    export.run(cfg, {"final": final}, {"out": tmp_path / "e", "summary": tmp_path / "e" / "summary.json"})
+    _evaluate(data, tmp_path / "e" / "diffusers", tmp_path / "eval", cfg)
+    text = _card(data, tmp_path / "train", tmp_path / "e", tmp_path / "eval", tmp_path / "card", cfg)
+    meta = _front_matter(text)
+    assert "lora" in meta["tags"] and "| unet | LoRA, rank 4, alpha 2 |" in text
+    assert 'weight_name="my-dog_lora.safetensors"' in text and "my-dog_lora_kohya.safetensors" in text
+    pipe = _run_card_code(text)
+    assert pipe.get_active_adapters()  # the named LoRA, loaded from its folder by weight_name

@@ -80,7 +80,7 @@ def test_check_config_and_a_stage_run_from_a_project_folder(installed, project):
 def test_snakemake_plans_the_whole_dag_with_the_installed_package(installed, project):
     proc = run([sys.executable, "-m", "snakemake", "-n", "--cores", "1"], project, installed)
     planned = {line.split()[0] for line in proc.stdout.split("Job stats:")[1].splitlines()[3:] if line.strip()}
-    assert {"prepare", "caption", "latents", "train", "export", "evaluate", "report", "all"} <= planned, planned
+    assert {"prepare", "caption", "latents", "train", "export", "evaluate", "report", "card", "all"} <= planned, planned
     assert (project / "results" / "config.resolved.yaml").is_file()
 
 

@@ -37,6 +37,10 @@ def test_the_plan_names_a_local_model_and_counts_epochs(tmp_path, tiny_model, mo
     assert "LoRA rank" in text and "0 GPU(s) here, 1 process(es) x 8 per device" in text
     assert "10 optimizer steps, about 2.0 epochs of 40 images" in text
     assert "results/export/lora_kohya.safetensors" in text
+    named = config.from_dict({**cfg.raw, "export": {"name": "my-dog", "single_file": False}})
+    outputs = next(line for line in plan.lines(named) if line.startswith("outputs:"))
+    assert "results/export/lora/my-dog_lora.safetensors, results/export/my-dog_lora_kohya.safetensors" in outputs
+    assert ".safetensors, results/export/my-dog.safetensors" not in outputs  # single_file: false
 
 
 def test_a_missing_model_is_said_in_the_plan(tmp_path):

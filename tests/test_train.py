@@ -164,6 +164,63 @@ def test_ema_tracker_and_validation_outputs(tmp_path, cache):
     assert (REPO / "dvc.yaml").read_text() == project_dvc  # DVCLive must not add its plots to the project's file
 
 
+def wandb_records(path: Path):
+    """The records of wandb's offline transaction log (run-*.wandb): a 7-byte header (":W&B", magic, version), then
+    LevelDB-log records in 32 KiB blocks (crc 4 bytes, length 2, type 1: 1 full, 2 first, 3 middle, 4 last), each
+    a wandb_internal_pb2.Record. wandb ships no reader of its own any more (its core is in Go)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, parts = path.read_bytes(), 32768, b""
+    assert data[:4] == b":W&B"
+    pos = 7
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # a block's zero-filled tail
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def test_wandb_tracker_runs_offline_without_a_login_and_records_the_metrics(tmp_path, cache, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no wandb login on this machine
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    proc = train(tmp_path, cache, "wb", max_steps=3, tracker="wandb", tracker_project="sdpipe-test")
+    assert "WANDB_MODE=offline" in proc.stderr
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    import json
+
+    history, config_keys, project = {}, {}, None
+    for record in wandb_records(runs[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            project = record.run.project
+            config_keys |= {i.key: json.loads(i.value_json) for i in record.run.config.update}
+        elif kind == "config":
+            config_keys |= {i.key: json.loads(i.value_json) for i in record.config.update}
+        elif kind == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            history[row["_step"]] = row
+    assert project == "sdpipe-test"
+    assert config_keys["train.learning_rate"] == TRAIN["learning_rate"] and config_keys["train.tracker"] == "wandb"
+    rows = metrics(tmp_path / "wb")
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    for r in rows:  # the numbers metrics.csv has, at the same optimizer steps
+        assert history[int(r["step"])]["loss"] == pytest.approx(float(r["loss"]), rel=1e-6)
+        assert history[int(r["step"])]["lr"] == pytest.approx(float(r["lr"]), rel=1e-6)
+
+
 def test_nan_loss_stops_training_naming_the_step(tmp_path, cache):
     """A corrupt cache entry (NaN latents) must stop training with one line, not train on garbage."""
     index_path, raw_cfg = cache

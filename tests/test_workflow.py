@@ -156,7 +156,7 @@ def test_changing_only_training_settings_reruns_only_training(project):
         cfg = yaml.safe_load(original)
         cfg["train"]["learning_rate"] = cfg["train"]["learning_rate"] / 2
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        assert _planned(project) == {"train", "export", "evaluate", "report", "all"}  # not the data stages
+        assert _planned(project) == {"train", "export", "evaluate", "report", "card", "all"}  # not the data stages
     finally:
         cfg_path.write_text(original)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-STAGES = ("prepare", "caption", "latents", "train", "export", "evaluate", "report")  # the DAG's order
+STAGES = ("prepare", "caption", "latents", "train", "export", "evaluate", "report", "card")  # the DAG's order
 NON_TRAINING_TARGET = 0.20  # issue 24: every stage but training at most 20 % of the sd15 full fine-tune's DAG
 
 

@@ -37,11 +37,13 @@ def file_metadata(cfg, info: dict, model: Path, adapter: dict | None = None) -> 
     prediction = info.get("prediction_type") or cfg.train.prediction_type or "epsilon"
     arch, implementation = SPECS["sd_v2_v" if version == "sd_v2" and prediction == "v_prediction" else version]
     res = cfg.prepare.buckets.resolution
+    name = cfg.export.name
     meta = {
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": arch + ("/lora" if lora else ""),
         "modelspec.implementation": implementation,
-        "modelspec.title": f"{Path(cfg.model.pretrained).name} {'LoRA' if lora else cfg.train.mode + ' fine-tune'}",
+        "modelspec.title": name or f"{Path(cfg.model.pretrained).name} "
+                                   f"{'LoRA' if lora else cfg.train.mode + ' fine-tune'}",
         "modelspec.resolution": f"{res}x{res}",
         "modelspec.prediction_type": prediction,
         "ss_base_model_version": version,
@@ -53,12 +55,20 @@ def file_metadata(cfg, info: dict, model: Path, adapter: dict | None = None) -> 
         "ss_mixed_precision": str(cfg.train.mixed_precision),
         "ss_seed": str(cfg.seed),
         "ss_training_comment": "trained with sdpipe",
+        "ss_output_name": name or _default_stem(lora),  # kohya's: the name the file was saved under
     }
     if lora:
         rank = adapter.get("r", cfg.train.lora.rank)
         meta |= {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
                  "ss_network_alpha": str(adapter.get("lora_alpha", rank))}
     return meta
+
+
+def _default_stem(lora: bool) -> str:
+    from sdpipe.export.names import export_files
+
+    files = export_files(None, single_file=True, lora=lora)
+    return Path(files.lora_kohya if lora else files.single_file).stem
 
 
 def add_metadata(path: Path, metadata: dict[str, str]) -> None:

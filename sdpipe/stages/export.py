@@ -136,8 +136,7 @@ def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: floa
             "verified": mean <= tolerance, "image": str(path)}
 
 
-def export_diffusers(cfg, pipe, out: Path, dtype: str) -> Path:
-    folder = out / "diffusers"
+def export_diffusers(cfg, pipe, folder: Path, dtype: str) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     with io.atomic_dir(folder) as tmp:
@@ -156,13 +155,12 @@ def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dic
                    path=str(folder), loader=loader)
 
 
-def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dict) -> dict:
+def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dict, files) -> dict:
     from sdpipe.export.metadata import file_metadata
     from sdpipe.export.single_file import export_single_file, load_single_file
 
     device, dtype = verify_device(cfg)
-    path = export_single_file(folder, out / "model.safetensors", cfg.export.dtype,
-                              file_metadata(cfg, info, folder))
+    path = export_single_file(folder, out / files.single_file, cfg.export.dtype, file_metadata(cfg, info, folder))
     pipe = load_single_file(path, folder, info["family"], dtype).to(device)
     if cfg.train.prediction_type:
         pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
@@ -172,33 +170,49 @@ def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dic
                    path=str(path), loader=loader)
 
 
-def export_loras(cfg, source: Path, reference: np.ndarray, out: Path, metadata: dict) -> dict:
+def export_loras(cfg, source: Path, reference: np.ndarray, out: Path, metadata: dict, files) -> dict:
     """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each with `metadata` for
-    other tools and each loaded into a fresh base pipeline with load_lora_weights."""
-    from sdpipe.export.lora import export_kohya
+    other tools and each loaded into a fresh base pipeline with load_lora_weights, as the card tells users to."""
+    from sdpipe.export.lora import LORA_FILE, export_kohya
     from sdpipe.export.metadata import add_metadata
     from sdpipe.models.pipeline import load_pipeline
 
-    folder = out / "lora"
-    with io.atomic_path(folder / "pytorch_lora_weights.safetensors") as tmp:
-        shutil.copy2(source / "pytorch_lora_weights.safetensors", tmp)
-    add_metadata(folder / "pytorch_lora_weights.safetensors", metadata)
-    kohya = export_kohya(folder, out / "lora_kohya.safetensors", cfg.model.pretrained, metadata)
+    weight = out / files.lora_file
+    with io.atomic_path(weight) as tmp:
+        shutil.copy2(source / LORA_FILE, tmp)
+    add_metadata(weight, metadata)
+    kohya = export_kohya(weight, out / files.lora_kohya, cfg.model.pretrained, metadata)
     device, dtype = verify_device(cfg)
     results = {}
-    for name, path in (("lora", folder), ("lora_kohya", kohya)):
+    for name, path, kwargs in (("lora", weight, {"weight_name": weight.name}), ("lora_kohya", kohya, {})):
         pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device, dtype,
                              prediction_type=cfg.train.prediction_type)
-        pipe.load_lora_weights(str(path))
+        # the folder and weight_name, the way a renamed diffusers LoRA is loaded
+        pipe.load_lora_weights(str(path.parent if kwargs else path), **kwargs)
         results[name] = compare(name, render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
                                 path=str(path), loader="load_lora_weights")
     return results
 
 
+def remove_stale(out: Path, files) -> None:
+    """Exported weight files of an earlier export.name (or export.single_file) go: the folder is this stage's
+    output, and a user copying it must not find an older run's model beside this one."""
+    keep = {out / f for f in files.files().values()}
+    for path in [*out.glob("*.safetensors"), *(out / "lora").glob("*.safetensors")]:
+        if path not in keep:
+            log.info("export: removing %s (not a file of this export's name)", path)
+            path.unlink()
+
+
 def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+    from sdpipe.export.metadata import base_version
+    from sdpipe.export.names import export_files
+
     out, e = Path(outputs["out"]), cfg.export
     source, info = trained_source(cfg, Path(inputs["final"]))
     components = info["components"]
+    files = export_files(e.name, e.single_file, "lora" in components.values())
+    remove_stale(out, files)
     if "lora" in components.values():
         from sdpipe.export.lora import check_lora_matches
 
@@ -208,18 +222,23 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     reference = render_once(cfg, trained_pipeline(cfg, source, components, fuse=False, dtype=dtype, device=device))
     check_reference(reference)
     compare("trained", reference, reference, e.verify.tolerance, out)
-    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out, e.dtype)
+    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out / files.diffusers,
+                              e.dtype)
     formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
     if e.single_file:
-        formats["single_file"] = export_single(cfg, folder, reference, out, info)
+        formats["single_file"] = export_single(cfg, folder, reference, out, info, files)
     if "lora" in components.values():
         from sdpipe.export.lora import read_lora
         from sdpipe.export.metadata import file_metadata
 
         adapter = read_lora(source)[1].get("unet", {})
-        formats.update(export_loras(cfg, source, reference, out, file_metadata(cfg, info, folder, adapter)))
-    summary = {"source": str(source), "components": components, "dtype": e.dtype, "ema": e.ema,
-               "verify": {**vars(e.verify), "rendered_on": device, "render_dtype": str(dtype).removeprefix("torch.")}, "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
+        formats.update(export_loras(cfg, source, reference, out, file_metadata(cfg, info, folder, adapter), files))
+    # family and base version: what the model card says was trained (kohya's names, as in the files' metadata)
+    summary = {"source": str(source), "components": components, "family": info["family"],
+               "base_model_version": base_version(folder, info["family"]), "name": e.name, "dtype": e.dtype,
+               "ema": e.ema, "verify": {**vars(e.verify), "rendered_on": device,
+                                        "render_dtype": str(dtype).removeprefix("torch.")},
+               "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
     io.write_json(outputs["summary"], summary)
     for name, result in formats.items():
         log.info("export %s: %s (mean |diff| %.3f, max %d RGB levels) %s", name, result["path"],

@@ -41,6 +41,7 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
     from sdpipe.train import accounting, checkpoint
     from sdpipe.train.data import LatentData
     from sdpipe.train.loop import checkpoint_dir, model_id
+    from sdpipe.train.trackers import check_installed
 
     data = LatentData(index)
     t = cfg.train
@@ -52,7 +53,7 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
         _check_lora_targets(cfg)
     if t.text_encoder.mode == "lora":
         _check_text_lora_targets(cfg)
-    _check_tracker(t.tracker)
+    check_installed(t.tracker)
     _check_topology(cfg, world)
     ident = model_id(cfg, data)
     path = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
@@ -76,13 +77,6 @@ def _check_topology(cfg, world: int) -> None:
     if gpus and world // mn.num_machines > gpus:
         raise UserError(f"train.num_processes = {world} needs {world // mn.num_machines} GPUs per machine but "
                         f"{gpus} are visible")
-
-
-def _check_tracker(name: str) -> None:
-    import importlib.util
-
-    if name != "none" and importlib.util.find_spec(name) is None:
-        raise UserError(f"train.tracker = {name!r} needs the {name} package: pip install {name}")
 
 
 def _check_lora_targets(cfg) -> None:
@@ -167,8 +161,10 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     cmd = launch_command(cfg, world, config_path, Path(inputs["index"]), out, summary)
     log.info("launching %d training process(es): %s", world, " ".join(cmd))
     from sdpipe.train.loop import STARTED_ENV
+    from sdpipe.train.trackers import environment
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", STARTED_ENV: str(started), **compile_cache_env(cfg)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", STARTED_ENV: str(started), **compile_cache_env(cfg),
+           **environment(cfg, dict(os.environ), out)}
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0 and world > 1:
         # The launcher ends every process once one fails, so a dead rank cannot leave the others waiting.

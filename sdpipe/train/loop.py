@@ -19,7 +19,7 @@ import torch
 from sdpipe import config, io
 from sdpipe.errors import UserError
 from sdpipe.log import progress
-from sdpipe.train import accounting, checkpoint, objective
+from sdpipe.train import accounting, checkpoint, objective, trackers
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
                                  build_unet, compile_mode, resolve_compile, save_final, trainable, training_forward)
@@ -71,7 +71,7 @@ class Run:
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
 OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node", "compile",
-               "tracker", "validation", "ddp", "save_final")
+               "tracker", "tracker_project", "validation", "ddp", "save_final")
 
 
 def model_id(cfg, data: LatentData) -> dict:
@@ -125,10 +125,7 @@ def build(cfg, index: Path, out: Path) -> Run:
         text.encoders = encoders
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = build_ema(cfg, [p for m in [unet, *encoders] for p in trainable(m)], accelerator)
-    if tracker:
-        # Inside results/, no git experiment, and no edits to the project's dvc.yaml (which declares its own plots).
-        kwargs = {"dvclive": {"dir": str(out / "dvclive"), "save_dvc_exp": False, "dvcyaml": False}}
-        accelerator.init_trackers("sdpipe", config=_flat(cfg.raw["train"]), init_kwargs=kwargs)
+    trackers.start(accelerator, cfg, out)
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
@@ -153,17 +150,6 @@ def ddp_kwargs(cfg) -> list:
     # The timeout bounds how long the live ranks wait in a collective for one that died or hangs (the launcher
     # ends them all when a process exits with an error; this covers a process that stops without exiting).
     return [ddp, InitProcessGroupKwargs(timeout=timedelta(seconds=d.timeout_s))]
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """Trackers take flat scalar hyperparameters."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
 
 
 def resume(run: Run) -> None:

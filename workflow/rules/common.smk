@@ -4,6 +4,7 @@ from pathlib import Path
 
 from sdpipe.errors import UserError
 from sdpipe.config import check_user_config, effective
+from sdpipe.export.names import for_config as export_names
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
 from sdpipe import io as sdpipe_io
 
@@ -52,6 +53,17 @@ def train_gpus():
     """GPUs held for training (one per process), none where none is visible."""
     procs = train_processes()
     return 0 if procs == "auto" else min(procs, GPU_LIMIT)
+
+
+# What the export writes, named by export.name (sdpipe/export/names.py is the one place that says it).
+EXPORT_DIR = "results/export"
+EXPORT_FILES = export_names(_cfg)
+
+
+def export_weight_files():
+    """The exported weight files beside the diffusers folder (single file, LoRA files), as rule outputs."""
+    files = EXPORT_FILES.files()
+    return {name: f"{EXPORT_DIR}/{path}" for name, path in files.items() if name != "diffusers"}
 
 
 MODEL = CFG["model"]["pretrained"]

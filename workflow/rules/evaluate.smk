@@ -1,5 +1,6 @@
 # The end of the DAG: export the trained weights (each format verified by reloading), evaluate the exported
-# model, time training at several GPU counts (target `benchmark`, only with benchmark.gpu_counts), report.
+# model, time training at several GPU counts (target `benchmark`, only with benchmark.gpu_counts), report, and
+# write the model card (its own folder: results/export belongs to the export rule, and the card needs evaluate).
 
 
 rule export:
@@ -7,8 +8,9 @@ rule export:
         final=rules.train.output.final,
         model=model_files,
     output:
-        summary=report("results/export/summary.json", caption="../report/export.rst", category="Export"),
-        diffusers=directory("results/export/diffusers"),
+        summary=report(f"{EXPORT_DIR}/{EXPORT_FILES.summary}", caption="../report/export.rst", category="Export"),
+        diffusers=directory(f"{EXPORT_DIR}/{EXPORT_FILES.diffusers}"),
+        **export_weight_files(),
     conda:
         "../envs/sdpipe.yaml"
     log:
@@ -102,3 +104,30 @@ rule report:
         "--train-metrics {input.train_metrics} --samples-dir results/train/samples --export {input.export} "
         "--metrics {input.metrics} --eval-grid {input.samples}/grid.png --eval-prompts {input.samples}/prompts.json "
         "--html {output.html} --markdown {output.markdown} --assets {output.assets} > {log} 2>&1"
+
+
+rule card:
+    input:
+        resolved_config=local(RESOLVED_CONFIG),
+        prepare=rules.prepare.output.summary,
+        manifest=rules.prepare.output.manifest,
+        captions=rules.caption.output.captions,
+        train_summary=rules.train.output.summary,
+        export=rules.export.output.summary,
+        metrics=rules.evaluate.output.metrics,
+        samples=rules.evaluate.output.samples,
+    output:
+        card=report("results/card/README.md", caption="../report/card.rst", category="Model card"),
+        grid="results/card/samples.png",
+    conda:
+        "../envs/sdpipe.yaml"
+    log:
+        "logs/card.log",
+    benchmark:
+        "benchmarks/card.tsv"
+    shell:
+        # The user's config (model.pretrained is the base model the card names, not the trained-VAE folder).
+        "sdpipe card --config {input.resolved_config} --prepare {input.prepare} --manifest {input.manifest} "
+        "--captions {input.captions} --train-summary {input.train_summary} --export {input.export} "
+        "--metrics {input.metrics} --eval-grid {input.samples}/grid.png --eval-prompts {input.samples}/prompts.json "
+        "--card {output.card} --grid {output.grid} > {log} 2>&1"
