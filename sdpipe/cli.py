@@ -27,7 +27,8 @@ STAGES = {
     "benchmark": "sdpipe.stages.benchmark",
     "report": "sdpipe.stages.report",
 }
-TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "fetch-model", "bench", "bench-dag", "pod", "runpod", "check-config")
+TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "fetch-model", "publish", "bench", "bench-dag", "pod",
+         "runpod", "check-config")
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -98,6 +99,13 @@ def _cmd_fetch_model(args) -> int:
     return 0
 
 
+def _cmd_publish(args) -> int:
+    from sdpipe.export.hub import upload
+
+    print(upload(load_config(args.config, args.set), Path(args.folder)))
+    return 0
+
+
 def _cmd_check_config(args) -> int:
     from sdpipe import plan
     from sdpipe.config import check_user_config
@@ -151,6 +159,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                            "model its configs and tokenizers")
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_fetch_model)
+
+    p = sub.add_parser("publish", help="upload an export folder to the Hub repo export.hub.repo_id (token from the "
+                                       "environment variable export.hub.token_env)")
+    _add_config_flags(p)
+    p.add_argument("--folder", default="results/export", help="the folder to upload (default: results/export)")
+    p.set_defaults(handler=_cmd_publish)
 
     p = sub.add_parser("bench", help="GPU speed: the training step against the diffusers-example loop, latent "
                                      "caching and the data loader, measured in one run (see benchmarks/)")

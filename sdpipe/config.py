@@ -227,10 +227,18 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    repo_id: str | None
+    private: bool
+    token_env: str
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     dtype: str
     ema: bool
     single_file: bool
+    hub: HubConfig
     verify: VerifyConfig
 
 

@@ -37,6 +37,7 @@ class Repo:
     files: dict[str, bytes] = field(default_factory=dict)
     private: bool = False
     commits: list[str] = field(default_factory=list)  # commit ids, oldest first
+    last_added: list[str] = field(default_factory=list)  # the files the latest commit sent
 
     @property
     def sha(self) -> str:
@@ -44,6 +45,7 @@ class Repo:
 
     def commit(self, files: dict[str, bytes], deleted: list[str] = (), summary: str = "") -> str:
         self.files.update(files)
+        self.last_added = sorted(files)
         for path in deleted:
             self.files.pop(path, None)
         state = json.dumps([self.sha, summary, sorted((p, git_oid(d)) for p, d in self.files.items())])
