@@ -1,7 +1,7 @@
 """`sdpipe fetch-model`: download, where there is internet, only the files of the base model this config loads.
 
 A diffusers repo on the Hub holds far more than a job reads: SD 1.5's has fp32 and fp16 weights, .bin copies of
-each, EMA/non-EMA UNets, ONNX and Flax exports and a 4 GB single file: 40+ GB for a job that reads 4. Here the
+each, EMA/non-EMA UNets, ONNX and Flax exports and whole-model single files beside the diffusers folders. Here the
 repo's model_index.json names the components; each gets its configs and tokenizer files, and the UNet, VAE and
 text encoders get the weights of one variant (model.variant: `*.fp16.safetensors`; unset: the plain
 `*.safetensors`), never both, and .bin files only where a component has no safetensors at all. For a single-file

@@ -252,7 +252,8 @@ def hub(monkeypatch, tmp_path):
     with Hub(token="test-token") as server:
         cache = tmp_path / "hf-cache"
         monkeypatch.setattr(constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            server.url + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
