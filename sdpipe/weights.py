@@ -44,12 +44,13 @@ def resolve(name: str, revision: str | None = None) -> Path:
         from sdpipe import single_file
 
         return single_file.as_folder(path) if single_file.is_checkpoint(path) else path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+    from huggingface_hub import errors, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub < 2 does not check completeness
     try:
         return Path(snapshot_download(name, revision=revision, local_files_only=True))
-    except IncompleteSnapshotError as exc:
+    except incomplete as exc:
         # The cached file list names every file of the repo; `sdpipe fetch-model` fetched only those a job needs
         # (one variant, no .bin/onnx copies). Loading says which file is missing, if one the job needs is.
         return Path(exc.snapshot_path)
