@@ -28,8 +28,8 @@ STAGES = {
     "report": "sdpipe.stages.report",
     "card": "sdpipe.stages.card",
 }
-TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "bench", "bench-dag", "pod", "runpod", "check-config", "init",
-         "dvc-yaml")
+TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "fetch-model", "publish", "bench", "bench-dag", "pod",
+         "runpod", "check-config", "init", "dvc-yaml")
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -92,6 +92,21 @@ def _cmd_fetch_weights(args) -> int:
     return 0
 
 
+def _cmd_fetch_model(args) -> int:
+    from sdpipe.fetch_model import fetch_model
+
+    for line in fetch_model(load_config(args.config, args.set)):
+        print(line)
+    return 0
+
+
+def _cmd_publish(args) -> int:
+    from sdpipe.export.hub import upload
+
+    print(upload(load_config(args.config, args.set), Path(args.folder)))
+    return 0
+
+
 def _cmd_check_config(args) -> int:
     from sdpipe import plan
     from sdpipe.config import check_user_config
@@ -143,6 +158,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-weights", help="download the FID InceptionV3 and CLIP-score weights (needs internet)")
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_fetch_weights)
+
+    p = sub.add_parser("fetch-model", help="download only the base-model files this config loads into the Hugging "
+                                           "Face cache (needs internet): one weight variant, or for a single-file "
+                                           "model its configs and tokenizers")
+    _add_config_flags(p)
+    p.set_defaults(handler=_cmd_fetch_model)
+
+    p = sub.add_parser("publish", help="upload an export folder to the Hub repo export.hub.repo_id (token from the "
+                                       "environment variable export.hub.token_env)")
+    _add_config_flags(p)
+    p.add_argument("--folder", default="results/export", help="the folder to upload (default: results/export)")
+    p.set_defaults(handler=_cmd_publish)
 
     p = sub.add_parser("bench", help="GPU speed: the training step against the diffusers-example loop, latent "
                                      "caching and the data loader, measured in one run (see benchmarks/)")

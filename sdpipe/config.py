@@ -53,6 +53,7 @@ class ModelConfig:
     build_preset: str | None
     revision: str | None
     variant: str | None
+    single_file_config: str | None
     train_vae: TrainVaeConfig
 
 
@@ -227,11 +228,19 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    repo_id: str | None
+    private: bool
+    token_env: str
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     dtype: str
     ema: bool
     single_file: bool
     name: str | None
+    hub: HubConfig
     verify: VerifyConfig
 
 
@@ -462,6 +471,11 @@ def from_dict(raw: dict) -> Config:
     cfg = _build(Config, filled)
     _check_combinations(cfg)
     object.__setattr__(cfg, "raw", filled)
+    # weights.resolve turns a single-file model.pretrained into its converted folder from the name alone; where
+    # conversions live and which configs they use come from the config loaded in this process.
+    from sdpipe import single_file
+
+    single_file.configure(cfg.cache_dir, cfg.model.single_file_config)
     return cfg
 
 

@@ -24,7 +24,7 @@ def setup_logging(verbose: bool = False) -> None:
         logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
     else:
         logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
-    for noisy in ("PIL", "urllib3", "filelock", "httpx", "huggingface_hub", "diffusers", "transformers"):
+    for noisy in ("PIL", "urllib3", "filelock", "httpx", "httpx2", "huggingface_hub", "diffusers", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

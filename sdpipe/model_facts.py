@@ -8,15 +8,18 @@ from __future__ import annotations
 from sdpipe.errors import UserError
 
 
-def configs(cfg) -> tuple[dict, dict] | None:
-    """(unet config, vae config) of the config's base model, or None where its files are not here yet."""
+def configs(cfg, convert: bool = False) -> tuple[dict, dict] | None:
+    """(unet config, vae config) of the config's base model, or None where its files are not here yet. A single-file
+    checkpoint is read only when `convert` allows its (cached) conversion: stages do, checks do not."""
     m = cfg.model
     if m.build_preset:
         from sdpipe.models import presets
 
         return presets.unet_config(m.build_preset), presets.vae_config(m.build_preset)
-    from sdpipe import io, weights
+    from sdpipe import io, single_file, weights
 
+    if single_file.is_checkpoint(m.pretrained) and not convert:
+        return None  # its configs come with the conversion, which a check must not start (minutes for SDXL)
     try:
         root = weights.resolve(m.pretrained, m.revision)
         return io.read_json(root / "unet" / "config.json"), io.read_json(root / "vae" / "config.json")

@@ -37,8 +37,15 @@ def _model(cfg, unet: dict | None) -> str:
     if m.build_preset:
         return f"model: a random-init {m.build_preset} preset built at {m.pretrained} (the demo's; real weights need " \
                f"model.build_preset: null)"
-    from sdpipe import weights
+    from sdpipe import single_file, weights
 
+    if single_file.is_checkpoint(m.pretrained):
+        try:
+            info = single_file.tensor_info(m.pretrained)
+            name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[single_file.family(m.pretrained, info)]
+        except UserError as exc:
+            return f"model: UNUSABLE: {exc}"
+        return f"model: {name} single-file checkpoint {m.pretrained}, converted to a diffusers folder on first use"
     try:
         where = weights.resolve(m.pretrained, m.revision)
     except UserError as exc:

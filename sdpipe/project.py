@@ -105,12 +105,20 @@ def _absolute(name: str) -> str:
     return str(Path(name).expanduser().resolve()) if weights.is_local(name) else name
 
 
-def _check_family(template: str, cfg) -> None:
-    from sdpipe import model_facts
+def _model_family(cfg) -> str | None:
+    """The base model's family from its config files, or a single file's keys; None where it is not here yet."""
+    from sdpipe import model_facts, single_file
 
+    if single_file.is_checkpoint(cfg.model.pretrained):
+        return single_file.family(cfg.model.pretrained, single_file.tensor_info(cfg.model.pretrained))
     found = model_facts.configs(cfg)
-    if found and model_facts.family(found[0]) != templates.family(template):
-        kind = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[model_facts.family(found[0])]
+    return model_facts.family(found[0]) if found else None
+
+
+def _check_family(template: str, cfg) -> None:
+    family = _model_family(cfg)
+    if family and family != templates.family(template):
+        kind = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[family]
         raise UserError(f"{cfg.model.pretrained} is an {kind} model and template {template} is for "
                         f"{'SDXL' if templates.family(template) == 'sdxl' else 'SD 1.x/2.x'}; pick another "
                         f"template (sdpipe init --list)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from sdpipe import hashing, io
@@ -17,6 +18,16 @@ from sdpipe.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 CONFIG_NAMES = ("config.json", "model_index.json", "scheduler_config.json")
+WEIGHTED = ("unet", "vae", "text_encoder", "text_encoder_2")  # the pipeline components sdpipe loads weights of
+SHARD = re.compile(r"-\d{5}-of-\d{5}")
+
+
+def weight_variant(name: str) -> str | None:
+    """The variant a weight file belongs to, as diffusers and transformers name them:
+    `diffusion_pytorch_model.fp16.safetensors` and `model.fp16-00001-of-00002.safetensors` -> fp16,
+    `model-00001-of-00002.safetensors` -> None (plain), `diffusion_pytorch_model.non_ema.safetensors` -> non_ema."""
+    parts = SHARD.sub("", name.rsplit(".", 1)[0]).split(".", 1)
+    return parts[1] if len(parts) > 1 else None
 
 
 def is_local(name: str) -> bool:
@@ -24,23 +35,32 @@ def is_local(name: str) -> bool:
 
 
 def resolve(name: str, revision: str | None = None) -> Path:
-    """A local folder or file for `name`: the path itself, or the hub id's snapshot in the local HF cache."""
+    """A local folder or file for `name`: the path itself, a single-file checkpoint's converted diffusers folder
+    (sdpipe.single_file, converted once), or the hub id's snapshot in the local HF cache."""
     if is_local(name):
         path = Path(name).expanduser()
         if not path.exists():
             raise UserError(f"model path {name} does not exist")
-        return path
-    from huggingface_hub import snapshot_download
+        from sdpipe import single_file
+
+        return single_file.as_folder(path) if single_file.is_checkpoint(path) else path
+    from huggingface_hub import errors, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub < 2 does not check completeness
     try:
         return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except incomplete as exc:
+        # The cached file list names every file of the repo; `sdpipe fetch-model` fetched only those a job needs
+        # (one variant, no .bin/onnx copies). Loading says which file is missing, if one the job needs is.
+        return Path(exc.snapshot_path)
     except (LocalEntryNotFoundError, OSError, ValueError):
         if looks_like_path(name):
             raise UserError(f"model path {name} does not exist (nothing at {Path(name).resolve()}; as a hub id it is "
                             f"not in the local Hugging Face cache either)") from None
         raise UserError(f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
-                        f"run `hf download {name}` (or set the config to a local folder)") from None
+                        f"run `sdpipe fetch-model` (only the files the config needs) or `hf download {name}` (or set "
+                        f"the config to a local folder)") from None
 
 
 def looks_like_path(name: str) -> bool:

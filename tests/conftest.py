@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hub_server import hub  # noqa: F401  (the loopback Hub fixture, for download and upload tests)
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network

@@ -25,7 +25,9 @@ VERSION = 1
 def _settings(cfg, device_kind: str) -> dict:
     d = cfg.dreambooth
     height, width = d.resolution or [cfg.prepare.buckets.resolution] * 2
-    return {"pretrained": cfg.model.pretrained, "revision": cfg.model.revision, "variant": cfg.model.variant,
+    # The resolved folder, not the name: a spawned worker has no config loaded to convert a single file with.
+    return {"pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)), "revision": None,
+            "variant": cfg.model.variant,
             "height": height, "width": width, "steps": d.steps, "guidance": d.guidance,
             "batch_size": d.batch_size, "half_on_gpu": device_kind == "cuda"}
 

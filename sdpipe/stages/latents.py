@@ -106,7 +106,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
-    _check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg)))
+    _check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
     items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
 
     root = Path(cfg.cache_dir)
@@ -140,7 +140,10 @@ def _steady_rate(results: list[dict]) -> float | None:
 
 def _worker_settings(cfg, root: Path, processes: int) -> dict:
     threads = cfg.latents.loader_threads or max(1, (os.cpu_count() or 1) // processes)
-    return {"pretrained": cfg.model.pretrained, "revision": cfg.model.revision,
+    from sdpipe import weights
+
+    # The resolved folder, not the name: a spawned worker has no config loaded to convert a single file with.
+    return {"pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)), "revision": None,
             "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
             "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text"),
             "loader_threads": threads, "compile": cfg.latents.compile}
