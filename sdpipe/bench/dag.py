@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from sdpipe import io
+from sdpipe import config, io
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.bench")
@@ -71,9 +71,11 @@ def bench_config(job: Job) -> dict:
     return out
 
 
-def make_project(job: Job, folder: Path, source: Path, images: int) -> dict:
-    """Write the images and captions and save the model as a user has them, then `sdpipe init` the project from
-    the job's template; return the seconds each took."""
+def make_project(job: Job, folder: Path, source: Path, images: int, single_file: bool = False) -> dict:
+    """Write the images and captions and save the model as a user has them (a diffusers folder, or one .safetensors
+    in the original SD layout, as from Civitai), then `sdpipe init` the project from the job's template; return the
+    seconds each took. A single file's configs come from the preset's folder, as `sdpipe fetch-model` would fetch
+    them; its conversion happens in the DAG, on the clock."""
     from sdpipe import project
     from sdpipe.bench.pipeline import sdpipe, write_jpegs
 
@@ -84,10 +86,17 @@ def make_project(job: Job, folder: Path, source: Path, images: int) -> dict:
     for i, image in enumerate(sorted(raw.glob("*.jpg"))):
         image.with_suffix(".txt").write_text(f"a photo of coloured circles, picture {i}\n")
     made_images = time.perf_counter()
-    sdpipe("build-model", "--preset", job.preset, "--out", str(folder / "models" / job.preset))
+    preset = folder / "models" / job.preset
+    sdpipe("build-model", "--preset", job.preset, "--out", str(preset))
+    model, extra = preset, {}
+    if single_file:
+        from sdpipe.export.single_file import export_single_file
+
+        model = export_single_file(preset, folder / "models" / f"{job.preset}.safetensors", dtype="fp16")
+        extra = {"model": {"single_file_config": str(preset)}}
     made_model = time.perf_counter()
-    project.init(folder, job.template, raw, str(folder / "models" / job.preset), PROMPTS, source=source)
-    io.write_yaml(folder / BENCH_CONFIG, bench_config(job))
+    project.init(folder, job.template, raw, str(model), PROMPTS, source=source)
+    io.write_yaml(folder / BENCH_CONFIG, config.merge(bench_config(job), extra))
     return {"images_s": round(made_images - start, 3), "model_s": round(made_model - made_images, 3)}
 
 
@@ -158,15 +167,17 @@ def collect(project: Path, wall: float) -> dict:
     }
 
 
-def run_job(name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str]) -> dict:
+def run_job(name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str],
+            single_file: bool = False) -> dict:
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
     log.info("bench-dag %s: making the project (%d images at %d px, preset %s)", name, job.images, job.resolution,
              job.preset)
-    setup = make_project(job, folder / "project", source, job.images)
+    setup = make_project(job, folder / "project", source, job.images, single_file)
     log.info("bench-dag %s: snakemake --profile runpod", name)
     wall = run_snakemake(folder / "project", folder / "snakemake.log", extra)
-    result = {"job": asdict(job), "setup_s": setup, **collect(folder / "project", wall)}
+    result = {"job": asdict(job), "model_format": "single file" if single_file else "diffusers folder",
+              "setup_s": setup, **collect(folder / "project", wall)}
     if warm:
         result["warm_start"] = warm_start(folder / "project")
     log.info("bench result: %s %s", name, result)
@@ -182,6 +193,8 @@ def add_arguments(p) -> None:
                                     "(default: $SDPIPE_IMAGE_PROJECT, else the current folder)")
     p.add_argument("--work", default="/tmp/sdpipe-dag", help="scratch: one project folder per job")
     p.add_argument("--no-warm-start", action="store_true", help="skip the second, short training run")
+    p.add_argument("--model-format", choices=["folder", "single-file"], default="folder",
+                   help="the base model as a diffusers folder or as one .safetensors file (converted in the DAG)")
     p.add_argument("--skip-dag", action="store_true", help="make the projects and run only --baseline-script")
     p.add_argument("--baseline-script", type=Path, help="diffusers' train_text_to_image.py, to run on each sd15 "
                                                         "job's images and model after its DAG")
@@ -218,9 +231,11 @@ def run(args) -> int:
     results = {"meta": provenance(args.commit), "jobs": {}}
     for name, job in _jobs(args).items():
         if args.skip_dag:
-            res = {"job": asdict(job), "setup_s": make_project(job, work / name / "project", source, job.images)}
+            res = {"job": asdict(job), "setup_s": make_project(job, work / name / "project", source, job.images,
+                                                               args.model_format == "single-file")}
         else:
-            res = run_job(name, job, work, source, not args.no_warm_start, args.snakemake_arg)
+            res = run_job(name, job, work, source, not args.no_warm_start, args.snakemake_arg,
+                          args.model_format == "single-file")
         if args.baseline_script and job.preset == "sd15":
             res["baseline"] = peer.run(args.baseline_script.resolve(), work / name / "project", job, work / name,
                                        args.baseline_steps or job.steps)
