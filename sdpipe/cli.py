@@ -103,7 +103,7 @@ def _cmd_fetch_model(args) -> int:
 def _cmd_publish(args) -> int:
     from sdpipe.export.hub import upload
 
-    print(upload(load_config(args.config, args.set), Path(args.folder)))
+    print(upload(load_config(args.config, args.set), Path(args.folder), Path(args.card)))
     return 0
 
 
@@ -169,6 +169,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                        "environment variable export.hub.token_env)")
     _add_config_flags(p)
     p.add_argument("--folder", default="results/export", help="the folder to upload (default: results/export)")
+    p.add_argument("--card", default="results/card", help="the model card's folder, uploaded beside it as the "
+                                                         "repo's README.md (default: results/card; skipped if absent)")
     p.set_defaults(handler=_cmd_publish)
 
     p = sub.add_parser("bench", help="GPU speed: the training step against the diffusers-example loop, latent "

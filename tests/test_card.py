@@ -40,3 +40,19 @@ def test_only_a_hub_id_becomes_base_model(tmp_path, monkeypatch):
     assert facts.hub_id("models/tiny") is None  # a folder here, though it looks like org/name
     assert facts.hub_id("/abs/path/model") is None and facts.hub_id("./sd15") is None
     assert facts.hub_id("results/vae/model") is None  # three parts: no Hub id
+
+
+def test_a_single_file_base_is_loaded_with_from_single_file_in_the_cards_code():
+    """A LoRA trained on an A1111/ComfyUI checkpoint: the card's code loads that base as users must, with
+    from_single_file and the exported configs (from_pretrained cannot read a single file)."""
+    from sdpipe.card import body
+
+    formats = {"diffusers": {"loader": "StableDiffusionPipeline.from_pretrained", "path": "results/export/diffusers"},
+               "lora": {"path": "results/export/lora/pytorch_lora_weights.safetensors"}}
+    facts = {"formats": formats, "sampling": {"steps": 25, "guidance": 7.5}, "instance_prompt": None,
+             "prompts": [{"prompt": "a cat"}], "lora": True, "base_hub_id": None, "base": "/models/dreamshaper.safetensors"}
+    text = body.usage_section(facts)
+    assert ('StableDiffusionPipeline.from_single_file("/models/dreamshaper.safetensors", '
+            'config="results/export/diffusers", torch_dtype=torch.float16)') in text
+    facts["base"] = "/models/sd15-folder"
+    assert 'from_pretrained("/models/sd15-folder", torch_dtype' in body.usage_section(facts)

@@ -94,3 +94,18 @@ def test_the_command_publishes_a_folder(hub, tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{hub.url}/{REPO_ID}/commit/{hub.repos[REPO_ID].sha}"
     assert hub.repos[REPO_ID].files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+
+
+def test_the_model_card_goes_up_beside_the_export_in_one_commit(hub, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    folder = _export(tmp_path)
+    (folder / "README.md").unlink()
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text("---\nlicense: other\n---\n# the card\n![samples](samples.png)\n")
+    (card / "samples.png").write_bytes(b"\x89PNG fake grid")
+    upload(_cfg(tmp_path), folder, card)
+    repo = hub.repos[REPO_ID]
+    assert repo.files["README.md"] == (card / "README.md").read_bytes()
+    assert repo.files["samples.png"] == b"\x89PNG fake grid" and "diffusers/model_index.json" in repo.files
+    assert len(repo.commits) == 2  # the repo's creation, then one upload with everything

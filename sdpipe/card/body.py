@@ -115,7 +115,10 @@ def usage_section(facts: dict) -> str:
     if facts["lora"]:
         weight = Path(formats["lora"]["path"])
         base = facts["base_hub_id"] or facts["base"]
-        code = [f"pipe = {pipeline}.from_pretrained({q(base)}, torch_dtype=torch.float16).to(\"cuda\")",
+        # A single-file base (A1111/ComfyUI checkpoint) loads with from_single_file; its configs are the export's.
+        load = (f"from_single_file({q(base)}, config={q(formats['diffusers']['path'])}, "
+                if str(base).endswith((".safetensors", ".ckpt")) else f"from_pretrained({q(base)}, ")
+        code = [f"pipe = {pipeline}.{load}torch_dtype=torch.float16).to(\"cuda\")",
                 f"pipe.load_lora_weights({q(weight.parent)}, weight_name={q(weight.name)})"]
         kohya = formats.get("lora_kohya")
         alt = (f"\n\nThe kohya file `{kohya['path']}` goes into A1111's or ComfyUI's LoRA folder (A1111 prompt: "

@@ -26,8 +26,27 @@ def token(cfg) -> str:
     return value
 
 
-def upload(cfg, folder: str | Path) -> str:
-    """Create export.hub.repo_id if needed and upload `folder` to it; the commit URL."""
+def staged(folder: Path, card: Path | None, stage: Path) -> Path:
+    """`folder` with the model card's files (README.md, samples.png) beside its own, as links in `stage`: the card
+    stage writes results/card (results/export belongs to the export stage), the Hub wants the card at the repo's
+    root. Without a card, `folder` itself."""
+    if card is None or not (card / "README.md").is_file():
+        return folder
+    for root in (folder, card):  # links to files, real folders: upload_folder does not follow linked folders
+        for source in root.rglob("*"):
+            if source.is_file():
+                target = stage / source.relative_to(root)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.unlink(missing_ok=True)  # the card's README.md wins over an export's own
+                target.symlink_to(source.resolve())
+    return stage
+
+
+def upload(cfg, folder: str | Path, card: str | Path | None = None) -> str:
+    """Create export.hub.repo_id if needed and upload `folder` (with the model card in `card`, when there is one)
+    to it in one commit; the commit URL."""
+    import tempfile
+
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -39,8 +58,10 @@ def upload(cfg, folder: str | Path) -> str:
     api = HfApi(token=token(cfg))
     try:
         api.create_repo(hub.repo_id, private=hub.private, exist_ok=True)
-        info = api.upload_folder(repo_id=hub.repo_id, folder_path=str(folder),
-                                 commit_message=f"sdpipe publish {folder.name}")
+        with tempfile.TemporaryDirectory() as stage:
+            info = api.upload_folder(repo_id=hub.repo_id, folder_path=str(staged(folder, card and Path(card),
+                                                                                   Path(stage))),
+                                     commit_message=f"sdpipe publish {folder.name}")
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
         hint = f" (is the token in {hub.token_env} a write token for {hub.repo_id}?)" if status in (401, 403) else ""
