@@ -102,8 +102,9 @@ def make_project(job: Job, folder: Path, source: Path, images: int, single_file:
 
 def run_snakemake(project: Path, logfile: Path, extra: list[str]) -> float:
     """`snakemake --profile runpod` in the project; its wall seconds. A failure is one line naming the log."""
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "runpod", "--configfile", "config/config.yaml", BENCH_CONFIG,
-           *extra]
+    # extra (targets, --config ...) before --configfile, whose list would swallow a target
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "runpod", *extra, "--configfile", "config/config.yaml",
+           BENCH_CONFIG]
     # the rules call `sdpipe`: this interpreter's scripts first, as in a venv the user activated
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     start = time.perf_counter()
