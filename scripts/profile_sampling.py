@@ -74,6 +74,18 @@ def main() -> None:
     rest = t_whole - t_unet * n - t_sliced - t_text
     print(f"unaccounted (scheduler, guidance, PIL, copies): {rest:.3f} s of {t_whole:.3f}", flush=True)
 
+    from sdpipe.generate import generate_worker
+
+    out = tempfile.mkdtemp()
+    jobs = [{"prompt": prompts[0], "seed": i, "file": f"{out}/{i:03d}.png"} for i in range(4 * b)]
+    for threads in (0, 4):  # PNGs written between batches (before) or by threads beside the GPU (now)
+        settings = {"pretrained": str(folder), "revision": None, "variant": None, "height": 512, "width": 512,
+                    "steps": n, "guidance": 5.0, "batch_size": b, "half_on_gpu": args.dtype == "fp16",
+                    "write_threads": threads}
+        result = generate_worker("cuda:0", jobs, lambda k=1: None, settings)
+        print(f"generate_worker, {len(jobs)} PNGs, write_threads={threads}: {len(jobs) / result['seconds']:.2f} "
+              f"images/s after warm-up (load {result['load_s']:.1f} s, warm-up {result['warmup_s']:.1f} s)", flush=True)
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
