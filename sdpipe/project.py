@@ -128,7 +128,7 @@ def init(folder: Path, template: str, images: Path, model: str, prompts: list[st
          source: Path | None = None, **extra) -> Path:
     """Write the project (the workflow copied from `source`, default workflow_source()); return its config file.
     Nothing is written when any check fails."""
-    from sdpipe import config, pod
+    from sdpipe import config, dvc_file, io, pod
 
     images = images.expanduser().resolve()
     if not images.is_dir():
@@ -146,11 +146,7 @@ def init(folder: Path, template: str, images: Path, model: str, prompts: list[st
               f"Written by: sdpipe init --template {template} (edit freely)", ""]
     pod.seed_project(folder, source or workflow_source())
     target.parent.mkdir(parents=True, exist_ok=True)
-    from sdpipe import io
-
     io.write_text(target, render(settings, templates.comments(template), header))
-    from sdpipe import dvc_file
-
     dvc_file.write(folder, cfg)
     return target
 
