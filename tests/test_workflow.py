@@ -121,6 +121,21 @@ def test_a_users_configfile_means_what_check_config_says(tmp_path):
     assert resolved["seed"] == 7 and resolved["train"]["max_steps"] == 3
 
 
+def test_a_single_file_base_model_is_an_input_of_the_stages_that_load_it(tmp_path):
+    """Replacing an A1111/ComfyUI checkpoint file in place reruns what used it (a folder's content is keyed by
+    hashes in the caches instead)."""
+    ckpt = tmp_path / "my-model.safetensors"
+    ckpt.write_bytes(b"not read by a dry run")
+    proj = make_project(tmp_path / "p", None, model={"pretrained": str(ckpt), "build_preset": None,
+                                                     "train_vae": {"enabled": False}},
+                        prepare={"buckets": {"resolution": 512, "step": 64}})
+    proc = run(["snakemake", "-n", "--cores", "1", "export"], proj)
+    jobs = proc.stdout.split("rule ")
+    for rule in ("latents", "train", "export"):
+        job = next(j for j in jobs if j.startswith(rule + ":"))
+        assert str(ckpt) in job.split("output:")[0], f"{rule} does not list the checkpoint as input"
+
+
 def test_lint_is_clean():
     proc = run(["snakemake", "--lint"], REPO)
     assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr

@@ -87,9 +87,12 @@ USE_MODEL = f"--set model.pretrained={STAGE_MODEL}" if TRAIN_VAE else ""
 
 
 def model_files(wildcards):
-    """The model folder stages load when the workflow makes it (a built preset, a trained VAE); a real checkpoint
-    is not a DAG file."""
-    return [STAGE_MODEL] if BUILD_PRESET or TRAIN_VAE else []
+    """The model stages load when the workflow makes it (a built preset, a trained VAE), or a single-file checkpoint
+    (replacing it reruns what used it); a real model folder or hub id is not a DAG file (its content hashes key the
+    caches)."""
+    if BUILD_PRESET or TRAIN_VAE:
+        return [STAGE_MODEL]
+    return [MODEL] if Path(MODEL).suffix in (".safetensors", ".ckpt") and Path(MODEL).is_file() else []
 
 
 def base_model_files(wildcards):
