@@ -20,6 +20,9 @@ packages=(
   fastjsonschema jupyter-core traitlets pulp tenacity smart-open wrapt tabulate throttler yte dpath conda-inject
   sqlmodel sqlalchemy greenlet argparse-dataclass importlib-metadata zipp
   pydantic pydantic-core annotated-types typing-inspection typing-extensions
+  # the peer baseline (bench-dag --baseline-script train_text_to_image.py) reads its images through datasets; these
+  # versions accept the pyarrow and huggingface-hub such GPU images ship
+  datasets==3.6.0 dill==0.3.8 multiprocess==0.70.16
 )
 specs=()
 for p in "${packages[@]}"; do specs+=("$(pin "$p")"); done
