@@ -4,11 +4,9 @@ A research tool; its findings go to benchmarks/NOTES.md. It builds the sd15 pres
 evaluate stage does (sdpipe.models.pipeline.load_pipeline, fp16, the sampler's preparation), then times apart, with
 CUDA events after a warm-up: the whole pipeline call, the UNet alone at the same batch (classifier-free guidance
 doubles it), the VAE decode sliced and batched, the text encoder; and prints the attention processors, the SDPA
-backends and the top kernels of one profiled call. `--group-norm` compares PyTorch's GroupNorm kernel with
-SamplingGroupNorm (what the sampler uses now) shape by shape, in the UNet, in the whole pipeline (also with a
-channels-last UNet) and in generate_worker, all in one process on one card.
+backends and the top kernels of one profiled call.
 
-    python scripts/profile_sampling.py --batch 16 --steps 20 [--group-norm]
+    python scripts/profile_sampling.py --batch 16 --steps 20
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    parser.add_argument("--group-norm", action="store_true", help="compare GroupNorm kernels (see the docstring)")
     args = parser.parse_args()
     from sdpipe.generate import prepare_sampler
     from sdpipe.models import presets
@@ -45,11 +42,8 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     folder = presets.build_and_save("sd15", tempfile.mkdtemp() + "/sd15")
     pipe = load_pipeline(str(folder), device="cuda:0", dtype=dtype)
-    b, n = args.batch, args.steps
-    if args.group_norm:
-        prepare_sampler(pipe, "cuda:0", group_norm="native")
-        return compare_group_norms(pipe, folder, b, n, dtype)
     prepare_sampler(pipe, "cuda:0")
+    b, n = args.batch, args.steps
     print("attention processors:", sorted({type(p).__name__ for p in pipe.unet.attn_processors.values()}))
     print("sdpa flash/mem-efficient/math:", torch.backends.cuda.flash_sdp_enabled(),
           torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
@@ -104,73 +98,6 @@ def main() -> None:
             break
         except (AttributeError, KeyError, ValueError):
             continue
-
-
-def group_norm_shapes(unet, b: int, dtype) -> list[tuple]:
-    """(input shape, groups) of every GroupNorm call of one UNet forward at batch 2b (guidance doubles it)."""
-    calls, hooks = [], []
-    for m in unet.modules():
-        if isinstance(m, torch.nn.GroupNorm):
-            hooks.append(m.register_forward_hook(lambda mod, inp, out: calls.append((tuple(inp[0].shape),
-                                                                                      mod.num_groups))))
-    lat, t, text = unet_inputs(b, dtype)
-    with torch.no_grad():
-        unet(lat, t, encoder_hidden_states=text)
-    for h in hooks:
-        h.remove()
-    return calls
-
-
-def unet_inputs(b: int, dtype) -> tuple:
-    return (torch.randn(2 * b, 4, 64, 64, device="cuda", dtype=dtype), torch.tensor([500], device="cuda"),
-            torch.randn(2 * b, 77, 768, device="cuda", dtype=dtype))
-
-
-def compare_group_norms(pipe, folder, b: int, n: int, dtype) -> None:
-    from sdpipe.generate import generate_worker
-    from sdpipe.models.layout import use_sampling_group_norm
-    from sdpipe.models.norms import half_group_norm
-
-    calls = group_norm_shapes(pipe.unet, b, dtype)
-    total = {"native": 0.0, "sampling": 0.0, "sampling, channels-last": 0.0}
-    with torch.no_grad():
-        for shape, count in sorted({c: calls.count(c) for c in calls}.items(), key=lambda kv: -kv[1]):
-            x = torch.randn(*shape[0], device="cuda", dtype=dtype)
-            w = torch.randn(shape[0][1], device="cuda", dtype=dtype)
-            xl = x.contiguous(memory_format=torch.channels_last)
-            t = {"native": timed(lambda: torch.nn.functional.group_norm(x, shape[1], w, w, 1e-5), 20),
-                 "sampling": timed(lambda: half_group_norm(x, shape[1], w, w, 1e-5), 20),
-                 "sampling, channels-last": timed(lambda: half_group_norm(xl, shape[1], w, w, 1e-5), 20)}
-            diff = (half_group_norm(x, shape[1], w, w, 1e-5).float()
-                    - torch.nn.functional.group_norm(x.float(), shape[1], w.float(), w.float(), 1e-5)).abs().max()
-            for k in t:
-                total[k] += t[k] * count
-            print(f"group norm {shape[0]} groups {shape[1]} x{count}: " + ", ".join(
-                f"{k} {v * 1e6:.0f} us" for k, v in t.items()) + f"; max |diff| vs float32 {diff:.4f}", flush=True)
-    print("group norms of one UNet forward: " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in total.items()))
-    prompts = ["a photo of a red balloon over a lake"] * b
-    whole = lambda: pipe(prompts, num_inference_steps=n, guidance_scale=5.0, height=512, width=512, output_type="pil")
-    for variant in ("native", "sampling", "sampling, channels-last"):
-        if variant == "sampling":
-            for model in (pipe.unet, pipe.vae):
-                use_sampling_group_norm(model)
-        if variant.endswith("channels-last"):
-            pipe.unet.to(memory_format=torch.channels_last)
-        lat, t, text = unet_inputs(b, dtype)
-        with torch.no_grad():
-            t_unet = timed(lambda: pipe.unet(lat, t, encoder_hidden_states=text), 5)
-        t_whole = timed(whole, repeat=2)
-        print(f"{variant}: unet forward at batch {2 * b} {t_unet * 1000:.1f} ms; whole pipeline {t_whole:.3f} s per "
-              f"batch of {b}, {b / t_whole:.2f} images/s", flush=True)
-    del pipe  # each worker below loads its own pipeline
-    out = tempfile.mkdtemp()
-    jobs = [{"prompt": prompts[0], "seed": i, "file": f"{out}/{i:03d}.png"} for i in range(4 * b)]
-    for group_norm in ("native", "sampling"):
-        settings = {"pretrained": str(folder), "revision": None, "variant": None, "height": 512, "width": 512,
-                    "steps": n, "guidance": 5.0, "batch_size": b, "half_on_gpu": True, "group_norm": group_norm}
-        result = generate_worker("cuda:0", jobs, lambda k=1: None, settings)
-        print(f"generate_worker, {len(jobs)} PNGs, group_norm={group_norm}: {len(jobs) / result['seconds']:.2f} "
-              f"images/s after warm-up (load {result['load_s']:.1f} s, warm-up {result['warmup_s']:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

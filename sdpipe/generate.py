@@ -22,20 +22,14 @@ def _batches(jobs: list[dict], size: int) -> list[list[dict]]:
     return [jobs[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def prepare_sampler(pipe, device: str, compile_mode: str = "eager", group_norm: str = "sampling") -> None:
+def prepare_sampler(pipe, device: str, compile_mode: str = "eager") -> None:
     """On a GPU: the VAE decodes one image at a time (its full-resolution activations dominate the memory, and one
-    image already fills the GPU); GroupNorm takes its float16 statistics with plain reductions (SamplingGroupNorm,
-    sdpipe.models.norms; "native" keeps PyTorch's kernel) and, optionally, each UNet block is compiled
-    (sdpipe.models.regions). Channels-last layers, fused q/k/v projections and cuDNN's autotuner were measured too
-    and gained nothing for SD 1.5 at 512 px on an H200 (benchmarks/NOTES.md v12), so they are not used."""
+    image already fills the GPU) and, optionally, each UNet block is compiled (sdpipe.models.regions). Channels-last
+    layers, fused q/k/v projections and cuDNN's autotuner were measured too and gained nothing for SD 1.5 at 512 px
+    on an H200 (benchmarks/NOTES.md v12), so they are not used."""
     if not device.startswith("cuda"):
         return
     pipe.vae.enable_slicing()
-    if group_norm == "sampling":
-        from sdpipe.models.layout import use_sampling_group_norm
-
-        for model in (pipe.unet, pipe.vae):
-            use_sampling_group_norm(model)
     if compile_mode == "blocks":
         from sdpipe.models.regions import CompiledRegions
 
@@ -65,7 +59,7 @@ def generate_worker(device: str, jobs: list[dict], report, settings: dict) -> di
     dtype = torch.float16 if device.startswith("cuda") and settings["half_on_gpu"] else torch.float32
     pipe = load_pipeline(settings["pretrained"], settings["revision"], settings["variant"], device, dtype,
                          prediction_type=settings.get("prediction_type"), **_trained_parts(settings, dtype))
-    prepare_sampler(pipe, device, settings.get("compile", "eager"), settings.get("group_norm", "sampling"))
+    prepare_sampler(pipe, device, settings.get("compile", "eager"))
     batches = _batches(jobs, settings["batch_size"])
     loaded = time.perf_counter()
     if device.startswith("cuda"):

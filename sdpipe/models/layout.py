@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpipe.models.norms import ChannelStatGroupNorm, SamplingGroupNorm
+from sdpipe.models.norms import ChannelStatGroupNorm
 
 
 class ChannelsLastInputConv2d(torch.nn.Conv2d):
@@ -46,11 +46,6 @@ def use_channels_last_conv_inputs(model: torch.nn.Module) -> int:
 def use_channel_stat_group_norm(model: torch.nn.Module) -> int:
     """Every nn.GroupNorm becomes a ChannelStatGroupNorm (sdpipe.models.norms); returns how many."""
     return swap_class(model, torch.nn.GroupNorm, ChannelStatGroupNorm)
-
-
-def use_sampling_group_norm(model: torch.nn.Module) -> int:
-    """Every nn.GroupNorm becomes a SamplingGroupNorm (sdpipe.models.norms); returns how many."""
-    return swap_class(model, torch.nn.GroupNorm, SamplingGroupNorm)
 
 
 def channels_last_for_compile(model: torch.nn.Module) -> torch.nn.Module:
