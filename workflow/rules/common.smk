@@ -83,7 +83,8 @@ def raw_files(wildcards):
 # With model.train_vae, every stage after it uses the base pipeline with the trained VAE (rule train_vae).
 TRAIN_VAE = CFG["model"]["train_vae"]["enabled"]
 STAGE_MODEL = "results/vae/model" if TRAIN_VAE else MODEL
-USE_MODEL = f"--set model.pretrained={STAGE_MODEL}" if TRAIN_VAE else ""
+# Arguments, a list: the rules quote each word ({params.model:q}), so no config value reaches a shell unquoted.
+USE_MODEL = ["--set", f"model.pretrained={STAGE_MODEL}"] if TRAIN_VAE else []
 
 
 def model_files(wildcards):

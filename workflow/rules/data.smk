@@ -24,8 +24,8 @@ if DREAMBOOTH:
         resources:
             gpu=gpus_for("dreambooth"),
         shell:
-            "sdpipe class-images --config {params.config} --set dreambooth.gpus={resources.gpu} "
-            "--images {params.images} --summary {output.summary} > {log} 2>&1"
+            "sdpipe class-images --config {params.config:q} --set dreambooth.gpus={resources.gpu:q} "
+            "--images {params.images:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule prepare:
@@ -47,8 +47,8 @@ rule prepare:
         settings={"data": CFG["data"], "prepare": CFG["prepare"], "dreambooth": DREAMBOOTH},
         class_images=CLASS_IMAGES,
     shell:
-        "sdpipe prepare --config {params.config} --class-images {params.class_images} --manifest {output.manifest} "
-        "--rejected {output.rejected} --summary {output.summary} > {log} 2>&1"
+        "sdpipe prepare --config {params.config:q} --class-images {params.class_images:q} --manifest {output.manifest:q} "
+        "--rejected {output.rejected:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule caption:
@@ -69,8 +69,8 @@ rule caption:
     resources:
         gpu=gpus_for("caption"),
     shell:
-        "sdpipe caption --config {params.config} --set caption.gpus={resources.gpu} "
-        "--manifest {input.manifest} --captions {output.captions} --summary {output.summary} > {log} 2>&1"
+        "sdpipe caption --config {params.config:q} --set caption.gpus={resources.gpu:q} "
+        "--manifest {input.manifest:q} --captions {output.captions:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule latents:
@@ -94,6 +94,6 @@ rule latents:
     resources:
         gpu=gpus_for("latents"),
     shell:
-        "sdpipe latents --config {params.config} {params.model} --set latents.gpus={resources.gpu} "
-        "--manifest {input.manifest} --captions {input.captions} "
-        "--index {output.index} --summary {output.summary} > {log} 2>&1"
+        "sdpipe latents --config {params.config:q} {params.model:q} --set latents.gpus={resources.gpu:q} "
+        "--manifest {input.manifest:q} --captions {input.captions:q} "
+        "--index {output.index:q} --summary {output.summary:q} > {log:q} 2>&1"

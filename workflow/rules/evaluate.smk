@@ -25,8 +25,8 @@ rule export:
     resources:
         gpu=min(1, GPU_LIMIT),  # verification renders on the first GPU (export.verify.device: auto)
     shell:
-        "sdpipe export --config {params.config} {params.model} --final {input.final} --out {params.out} "
-        "--summary {output.summary} > {log} 2>&1"
+        "sdpipe export --config {params.config:q} {params.model:q} --final {input.final:q} --out {params.out:q} "
+        "--summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule benchmark:
@@ -46,8 +46,8 @@ rule benchmark:
     resources:
         gpu=benchmark_gpus(),
     shell:
-        "sdpipe benchmark --config {params.config} {params.model} --index {input.index} "
-        "--out results/benchmark --scaling {output.scaling} > {log} 2>&1"
+        "sdpipe benchmark --config {params.config:q} {params.model:q} --index {input.index:q} "
+        "--out results/benchmark --scaling {output.scaling:q} > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -71,9 +71,9 @@ rule evaluate:
     resources:
         gpu=gpus_for("evaluate"),
     shell:
-        "sdpipe evaluate --config {params.config} --set evaluate.gpus={resources.gpu} --model {input.model} "
-        "--manifest {input.manifest} --train-summary {input.train_summary} --metrics {output.metrics} "
-        "--samples {output.samples} > {log} 2>&1"
+        "sdpipe evaluate --config {params.config:q} --set evaluate.gpus={resources.gpu:q} --model {input.model:q} "
+        "--manifest {input.manifest:q} --train-summary {input.train_summary:q} --metrics {output.metrics:q} "
+        "--samples {output.samples:q} > {log:q} 2>&1"
 
 
 rule report:
@@ -99,11 +99,11 @@ rule report:
     benchmark:
         "benchmarks/report.tsv"
     shell:
-        "sdpipe report --config {input.resolved_config} --resolved-config {input.resolved_config} --prepare {input.prepare} --captions {input.captions} "
-        "--latents {input.latents} --manifest {input.manifest} --train-summary {input.train_summary} "
-        "--train-metrics {input.train_metrics} --samples-dir results/train/samples --export {input.export} "
-        "--metrics {input.metrics} --eval-grid {input.samples}/grid.png --eval-prompts {input.samples}/prompts.json "
-        "--html {output.html} --markdown {output.markdown} --assets {output.assets} > {log} 2>&1"
+        "sdpipe report --config {input.resolved_config:q} --resolved-config {input.resolved_config:q} --prepare {input.prepare:q} --captions {input.captions:q} "
+        "--latents {input.latents:q} --manifest {input.manifest:q} --train-summary {input.train_summary:q} "
+        "--train-metrics {input.train_metrics:q} --samples-dir results/train/samples --export {input.export:q} "
+        "--metrics {input.metrics:q} --eval-grid {input.samples:q}/grid.png --eval-prompts {input.samples:q}/prompts.json "
+        "--html {output.html:q} --markdown {output.markdown:q} --assets {output.assets:q} > {log:q} 2>&1"
 
 
 rule card:
@@ -127,7 +127,7 @@ rule card:
         "benchmarks/card.tsv"
     shell:
         # The user's config (model.pretrained is the base model the card names, not the trained-VAE folder).
-        "sdpipe card --config {input.resolved_config} --prepare {input.prepare} --manifest {input.manifest} "
-        "--captions {input.captions} --train-summary {input.train_summary} --export {input.export} "
-        "--metrics {input.metrics} --eval-grid {input.samples}/grid.png --eval-prompts {input.samples}/prompts.json "
-        "--card {output.card} --grid {output.grid} > {log} 2>&1"
+        "sdpipe card --config {input.resolved_config:q} --prepare {input.prepare:q} --manifest {input.manifest:q} "
+        "--captions {input.captions:q} --train-summary {input.train_summary:q} --export {input.export:q} "
+        "--metrics {input.metrics:q} --eval-grid {input.samples:q}/grid.png --eval-prompts {input.samples:q}/prompts.json "
+        "--card {output.card:q} --grid {output.grid:q} > {log:q} 2>&1"

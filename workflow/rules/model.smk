@@ -15,7 +15,7 @@ if BUILD_PRESET:
             preset=BUILD_PRESET,
             seed=CFG["seed"],
         shell:
-            "sdpipe build-model --preset {params.preset} --seed {params.seed} --out {output} > {log} 2>&1"
+            "sdpipe build-model --preset {params.preset:q} --seed {params.seed:q} --out {output:q} > {log:q} 2>&1"
 
 
 if TRAIN_VAE:
@@ -39,5 +39,5 @@ if TRAIN_VAE:
         resources:
             gpu=min(1, GPU_LIMIT),
         shell:
-            "sdpipe train-vae --config {params.config} --manifest {input.manifest} --out {output.model} "
-            "--summary {output.summary} > {log} 2>&1"
+            "sdpipe train-vae --config {params.config:q} --manifest {input.manifest:q} --out {output.model:q} "
+            "--summary {output.summary:q} > {log:q} 2>&1"

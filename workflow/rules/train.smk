@@ -28,5 +28,5 @@ rule train:
     resources:
         gpu=train_gpus(),
     shell:
-        "{params.launcher} sdpipe train --config {params.config} {params.model} --set train.num_processes={params.procs} "
-        "--index {input.index} --out {params.out} --summary {output.summary} > {log} 2>&1"
+        "{params.launcher} sdpipe train --config {params.config:q} {params.model:q} --set train.num_processes={params.procs:q} "
+        "--index {input.index:q} --out {params.out:q} --summary {output.summary:q} > {log:q} 2>&1"
