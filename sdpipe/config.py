@@ -448,6 +448,12 @@ def check_user_config(cfg: Config) -> None:
                         f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
                         f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
                         f"models/{m.build_preset})")
+    from sdpipe.models import owned
+
+    if m.build_preset and owned.foreign(Path(m.pretrained)):
+        raise UserError(f"config: model.build_preset = {m.build_preset} would replace {m.pretrained}, which sdpipe did "
+                        f"not build, with a random-init model; to train on it set model.build_preset: null, or move "
+                        f"it away to let sdpipe build the preset there")
     from sdpipe import model_facts
 
     model_facts.check(cfg)

@@ -20,6 +20,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, UNet2DCon
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from sdpipe.errors import UserError
+from sdpipe.models import owned
 from sdpipe.models.tokenizer import build_clip_tokenizer, write_vocab_files
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def build_and_save(preset: str, out: Path, seed: int = 0) -> Path:
         for sub in ("tokenizer", "tokenizer_2"):
             if (tmp / sub).is_dir():  # also the hub's vocab.json/merges.txt, for tools that read only those
                 write_vocab_files(tmp / sub)
+        owned.mark(tmp, preset, seed)
         if out.is_dir():
             out.rmdir()  # empty (checked above); rename cannot replace a folder on every platform
         os.replace(tmp, out)
