@@ -98,7 +98,7 @@ def test_snakemake_reads_1e_4_as_the_number_check_config_reads(tmp_path):
     text = yaml.safe_load(cfg_path.read_text())
     text["train"]["learning_rate"] = "LR"
     cfg_path.write_text(yaml.safe_dump(text, sort_keys=False).replace("LR", "1e-4"))
-    run(["snakemake", "--cores", "1", "-n"], proj)
+    run(["snakemake", "--cores", "1", "base_model"], proj)  # a run that executes writes the config its stages read
     assert yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())["train"]["learning_rate"] == 1e-4
 
 
@@ -110,7 +110,7 @@ def test_a_users_configfile_means_what_check_config_says(tmp_path):
     mine = {"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
             "prepare": {"buckets": {"resolution": 32, "step": 8}}, "train": {"max_steps": 3}}
     (proj / "my.yaml").write_text(yaml.safe_dump(mine))
-    run(["snakemake", "--cores", "1", "-n", "--configfile", "my.yaml", "--config", "seed=7"], proj)
+    run(["snakemake", "--cores", "1", "--configfile", "my.yaml", "--config", "seed=7", "--", "base_model"], proj)
     resolved = yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())
     from sdpipe import config
 
@@ -187,3 +187,19 @@ def _planned(project) -> set[str]:
             break
         rows.append(line.split()[0])
     return set(rows)
+
+
+def test_a_dry_run_leaves_the_config_a_running_pipeline_reads(tmp_path):
+    """Issue 26, item 4: `snakemake -n --configfile other.yaml` beside a running pipeline once rewrote
+    results/config.resolved.yaml under it; only a run that executes, holding the project's lock, writes it."""
+    proj = make_project(tmp_path / "p", None)
+    run(["snakemake", "--cores", "1", "-n"], proj)
+    assert not (proj / "results" / "config.resolved.yaml").exists()
+    run(["snakemake", "--cores", "1", "base_model"], proj)
+    resolved = proj / "results" / "config.resolved.yaml"
+    before = resolved.read_bytes()
+    (proj / "other.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
+                                                     "train": {"learning_rate": 0.5, "max_steps": 2}}))
+    proc = run(["snakemake", "--cores", "1", "-n", "--configfile", "other.yaml"], proj)
+    assert "rule train" in proc.stdout  # the dry run planned the other config's jobs
+    assert resolved.read_bytes() == before

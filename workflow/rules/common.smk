@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+from snakemake_interface_executor_plugins.settings import ExecMode
+
 from sdpipe.errors import UserError
 from sdpipe.config import check_user_config, effective
 from sdpipe.export.names import for_config as export_names
@@ -21,10 +23,25 @@ except UserError as exc:
     sys.stderr.write(f"sdpipe: {exc}\n")
     sys.exit(2)
 
-# Stages read the config Snakemake resolved (config file plus any --config overrides, defaults filled in).
+# Stages read the config Snakemake resolved (config file plus any --config overrides, defaults filled in). The
+# run that executes writes it once it holds the project's lock (onstart), never at parse time: a dry run, or a second
+# run refused by the lock, must not change the file a running pipeline's stages read. A job Snakemake starts in a
+# fresh process elsewhere (a Kubernetes pod without the project's files) parses the Snakefile again and writes its
+# own copy there.
 RESOLVED_CONFIG = "results/config.resolved.yaml"
-if not Path(RESOLVED_CONFIG).is_file() or sdpipe_io.read_yaml(RESOLVED_CONFIG) != CFG:
-    sdpipe_io.write_yaml(RESOLVED_CONFIG, CFG)
+
+
+def write_resolved_config():
+    if not Path(RESOLVED_CONFIG).is_file() or sdpipe_io.read_yaml(RESOLVED_CONFIG) != CFG:
+        sdpipe_io.write_yaml(RESOLVED_CONFIG, CFG)
+
+
+if workflow.exec_mode != ExecMode.DEFAULT:
+    write_resolved_config()
+
+
+onstart:
+    write_resolved_config()
 
 # The local executor enforces the gpu resource only if a global limit exists; when the command line or the
 # profile sets none, the limit is the number of GPUs this machine has (0 on a CPU-only machine).

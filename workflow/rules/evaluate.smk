@@ -78,7 +78,6 @@ rule evaluate:
 
 rule report:
     input:
-        resolved_config=local(RESOLVED_CONFIG),  # written by every parse of the Snakefile, also in a remote job
         prepare=rules.prepare.output.summary,
         captions=rules.caption.output.summary,
         latents=rules.latents.output.summary,
@@ -98,8 +97,12 @@ rule report:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
+    params:
+        # Not an input: the run writes it when it starts (common.smk); the report reruns when the config changes.
+        config=RESOLVED_CONFIG,
+        settings=CFG,
     shell:
-        "sdpipe report --config {input.resolved_config:q} --resolved-config {input.resolved_config:q} --prepare {input.prepare:q} --captions {input.captions:q} "
+        "sdpipe report --config {params.config:q} --resolved-config {params.config:q} --prepare {input.prepare:q} --captions {input.captions:q} "
         "--latents {input.latents:q} --manifest {input.manifest:q} --train-summary {input.train_summary:q} "
         "--train-metrics {input.train_metrics:q} --samples-dir results/train/samples --export {input.export:q} "
         "--metrics {input.metrics:q} --eval-grid {input.samples:q}/grid.png --eval-prompts {input.samples:q}/prompts.json "
@@ -108,7 +111,6 @@ rule report:
 
 rule card:
     input:
-        resolved_config=local(RESOLVED_CONFIG),
         prepare=rules.prepare.output.summary,
         manifest=rules.prepare.output.manifest,
         captions=rules.caption.output.captions,
@@ -125,9 +127,12 @@ rule card:
         "logs/card.log",
     benchmark:
         "benchmarks/card.tsv"
+    params:
+        config=RESOLVED_CONFIG,
+        settings=CFG,
     shell:
         # The user's config (model.pretrained is the base model the card names, not the trained-VAE folder).
-        "sdpipe card --config {input.resolved_config:q} --prepare {input.prepare:q} --manifest {input.manifest:q} "
+        "sdpipe card --config {params.config:q} --prepare {input.prepare:q} --manifest {input.manifest:q} "
         "--captions {input.captions:q} --train-summary {input.train_summary:q} --export {input.export:q} "
         "--metrics {input.metrics:q} --eval-grid {input.samples:q}/grid.png --eval-prompts {input.samples:q}/prompts.json "
         "--card {output.card:q} --grid {output.grid:q} > {log:q} 2>&1"
