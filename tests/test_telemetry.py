@@ -103,3 +103,24 @@ def test_progress_lines_give_the_rate_and_time_left_after_the_warm_up(caplog):
     rate = float(lines[1].split("(")[1].split("/s")[0])
     assert 30 < rate <= 50, lines  # 0.02 s an item after the first, not 10 items over 0.5 s
     assert [format_seconds(s) for s in (42, 185, 4020)] == ["42 s", "3 min 05 s", "1 h 07 min"]
+
+
+def test_a_resume_keeps_or_mends_the_metrics_header(tmp_path):
+    """Issue 26, item 5: a checkpoint saved before the first row carries a metrics.csv without its header; the
+    resumed run appended to it and the report could never read the file again."""
+    import csv
+
+    from sdpipe.train.telemetry import COLUMNS, open_metrics
+
+    row = dict.fromkeys(COLUMNS, 1)
+    for before in ["", "2,0,0.5,1e-4,3,3,0,0,8\r\n", ",".join(COLUMNS) + "\r\n2,0,0.5,1e-4,3,3,0,0,8\r\n"]:
+        path = tmp_path / "metrics.csv"
+        path.write_text(before)
+        with open_metrics(path, resume=True) as f:
+            csv.DictWriter(f, COLUMNS).writerow(row)
+        rows = list(csv.DictReader(path.open(newline="")))
+        assert list(rows[0]) == COLUMNS and len(rows) == (1 if not before else 2)
+        assert rows[-1]["step"] == "1"
+    with open_metrics(path, resume=False):  # a fresh run starts the file over
+        pass
+    assert path.read_bytes().decode() == ",".join(COLUMNS) + "\r\n"

@@ -24,14 +24,27 @@ import csv
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 
+from sdpipe import io
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.train")
 COLUMNS = ["step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_gpu", "data_wait", "peak_memory_mb",
            "samples_seen"]
+
+
+def open_metrics(path: Path, resume: bool):
+    """metrics.csv open for appending rows, its header in place. A resumed run appends to the checkpoint's copy,
+    which lacks the header when the checkpoint came before the first row; a file left that way is mended too."""
+    header = ",".join(COLUMNS)
+    rows = path.read_text().splitlines() if resume and path.is_file() else []
+    if rows[:1] != [header]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.write_text(path, "\r\n".join([header] + [r for r in rows if r.strip()]) + "\r\n")  # csv's line ends
+    return open(path, "a", newline="")
 
 
 def check_finite(run, mean: float) -> None:
@@ -80,13 +93,8 @@ class Telemetry:
         self._reset()
         self.file = None
         if self.main:
-            path = run.out / "metrics.csv"
-            new = not path.exists() or run.step == 0  # on resume, the checkpoint's copy was restored: append
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w" if new else "a", newline="")
+            self.file = open_metrics(run.out / "metrics.csv", resume=run.step > 0)
             self.writer = csv.DictWriter(self.file, COLUMNS)
-            if new:
-                self.writer.writeheader()
 
     def _reset(self) -> None:
         # The window's loss stays on the device until it is logged: reading it each step would stall the host.
