@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import csv
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -271,6 +273,42 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path, cache):
     assert proc.returncode == 2
     assert stderr.strip().splitlines()[-1].startswith("sdpipe train: error: training stopped: a training process")
     assert not (out / "final").exists()
+
+
+def test_a_kill_of_the_stage_takes_its_ranks_and_a_second_run_is_refused(tmp_path, cache):
+    """Issue 26, item 3: the launcher starts each rank in a session of its own, so a kill -9 of the stage's process
+    group once left both ranks training; and a second run in the same folder trained beside the first."""
+    import psutil
+
+    index, raw_cfg = cache
+    cfg = {**raw_cfg, "train": {**TRAIN, "max_steps": 100_000, "num_processes": 2, "per_device_batch_size": 2,
+                                "checkpoint_every": 0}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"), "--index", str(index),
+           "--out", str(out), "--summary", str(out / "summary.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as Snakemake's job is
+    ranks: list = []
+    try:
+        _wait_for_rows(proc, out, 2)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "sdpipe.train.loop" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines()[-1].endswith("wait for it to end or stop it, then rerun")
+        os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    finally:
+        for p in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, seconds: float = 300) -> None:

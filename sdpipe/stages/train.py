@@ -8,6 +8,7 @@ a batch no bucket can fill, LoRA targets, a missing cache, a checkpoint of anoth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.train import lifeline
 from sdpipe.train.models import MIXED
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,12 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
 
     started = time.time()
     out, summary = Path(outputs["out"]), Path(outputs["summary"])
+    # One machine holds the run folder: on a cluster every node runs this stage on the same shared folder.
+    with lifeline.run_lock(out) if topology(cfg).machine_rank == 0 else contextlib.nullcontext():
+        _train(cfg, inputs, out, summary, started)
+
+
+def _train(cfg, inputs: dict[str, Path], out: Path, summary: Path, started: float) -> None:
     world = num_processes(cfg)
     preflight(cfg, Path(inputs["index"]), out, world)
     config_path = out / "config.yaml"  # the resolved config every process reads

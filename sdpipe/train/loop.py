@@ -19,7 +19,7 @@ import torch
 from sdpipe import config, io
 from sdpipe.errors import UserError
 from sdpipe.log import progress
-from sdpipe.train import accounting, checkpoint, objective, trackers
+from sdpipe.train import accounting, checkpoint, lifeline, objective, trackers
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
                                  build_unet, compile_mode, resolve_compile, save_final, trainable, training_forward)
@@ -364,9 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = stage_started(time.time())
     setup_logging()
+    lifeline.die_with_parent()  # a kill -9 of the stage takes the ranks with it
     try:
         run = build(config.load(args.config, args.set), Path(args.index), Path(args.out))
-        if not run.accelerator.is_main_process:
+        if run.accelerator.is_main_process:
+            lifeline.hold_rank_lock(Path(args.out))  # until this process exits
+        else:
             logging.getLogger().setLevel(logging.WARNING)
         resume(run)
         run.telemetry = Telemetry(run, started)

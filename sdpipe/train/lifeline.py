@@ -1,0 +1,79 @@
+"""Training processes that end with their run (issue 26, item 3).
+
+accelerate's launcher (torch elastic) starts each rank in a process session of its own, so a kill -9 of the stage's
+process group (Snakemake's, a pod's) used to leave the ranks training, and a rerun then trained in the same folder
+at the same time. Two guards:
+
+- each rank asks the kernel for SIGTERM when its parent dies (Linux's parent-death signal);
+- one lock per run folder: `sdpipe train` holds `.run.lock` for the whole stage, and rank 0 holds `.rank.lock` while
+  it lives, so a second run refuses while the first is alive and waits, briefly, for a dead run's ranks to go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from sdpipe.errors import UserError
+
+PR_SET_PDEATHSIG = 1
+RUN_LOCK, RANK_LOCK = ".run.lock", ".rank.lock"
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent exits (Linux only; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), sig)
+
+
+def _take(path: Path, wait_s: float) -> int | None:
+    """An exclusive lock on `path` (its fd), or None if another process still holds it after `wait_s`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, rank_wait_s: float = 60.0) -> Iterator[None]:
+    """Hold the run folder for one `sdpipe train`: refuse at once if another run holds it; wait up to `rank_wait_s`
+    for ranks of a killed run to exit."""
+    fd = _take(out / RUN_LOCK, 0)
+    if fd is None:
+        raise UserError(f"another training run is using {out}; wait for it to end or stop it, then rerun")
+    try:
+        rank = _take(out / RANK_LOCK, rank_wait_s)
+        if rank is None:
+            raise UserError(f"training processes of an earlier run still hold {out / RANK_LOCK} after "
+                            f"{rank_wait_s:.0f} s; stop them (fuser -k {out / RANK_LOCK}), then rerun")
+        os.close(rank)  # free for this run's rank 0
+        yield
+    finally:
+        os.close(fd)
+
+
+def hold_rank_lock(out: Path) -> int:
+    """Rank 0's hold on the run folder for as long as it lives (released by the kernel when it exits)."""
+    fd = _take(out / RANK_LOCK, 0)
+    if fd is None:
+        raise UserError(f"another training process is writing {out}; stop it, then rerun")
+    return fd
