@@ -4,20 +4,56 @@ Each entry is a key (a hash of everything that determines it) holding a few name
 whole and atomically, so a reader never sees half a shard and a crash loses only the shard being written. Several
 processes may write shards at once (names are unique); only the parent process, after they finish, rebuilds the
 index and compacts small shards. The index is derived state: it can always be rebuilt from the shard headers.
+
+Each shard's header carries the sha256 of its tensor data (issue 26). The stage that writes the cache verifies
+every shard before reusing it and sets a damaged one aside, so its entries are encoded again; a reader verifies a
+shard the first time it opens it, so a damaged one stops the run in one line instead of training on bad bits.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import uuid
 from pathlib import Path
 
 from sdpipe import io
+from sdpipe.errors import UserError
 
 log = logging.getLogger(__name__)
 SEP = "/"  # tensor name = key + SEP + field
 INDEX = "index.json"
+DAMAGED = "damaged"  # where the writing stage moves shards that fail verification
+CHUNK = 16 << 20
+
+
+def _data_sha256(fh, start: int) -> str:
+    fh.seek(start)
+    digest = hashlib.sha256()
+    while block := fh.read(CHUNK):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def problem(shard: Path) -> str | None:
+    """Why `shard` cannot be trusted (unreadable header, short data, checksum mismatch), or None. A shard written
+    before checksums has none to compare and passes when its data is whole."""
+    try:
+        with open(shard, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            size = os.fstat(fh.fileno()).st_size
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if size < 8 + n + end:
+                return f"truncated: {size} bytes of {8 + n + end}"
+            wanted = (header.get("__metadata__") or {}).get("sha256")
+            if wanted and _data_sha256(fh, 8 + n) != wanted:
+                return "its data does not match its checksum"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"unreadable ({type(exc).__name__})"
+    return None
 
 
 def _shard_name() -> str:
@@ -27,10 +63,25 @@ def _shard_name() -> str:
 class ShardStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._verified: set[str] = set()
 
     def shards(self) -> list[Path]:
         # Temporary files of an interrupted write start with "." and never match.
         return sorted(self.root.glob("shard-*.safetensors"))
+
+    def set_aside_damaged(self) -> list[str]:
+        """Verify every shard; move those that fail to damaged/ (their entries are then missing, so encoded again).
+        One line per shard moved."""
+        moved = []
+        for shard in self.shards():
+            why = problem(shard)
+            if why:
+                (self.root / DAMAGED).mkdir(exist_ok=True)
+                os.replace(shard, self.root / DAMAGED / shard.name)
+                log.warning("cache shard %s is damaged (%s): set aside in %s/, its entries will be recomputed",
+                            shard, why, DAMAGED)
+                moved.append(shard.name)
+        return moved
 
     def scan(self) -> dict[str, str]:
         """key -> shard file name, read from shard headers only (no tensor data)."""
@@ -45,14 +96,12 @@ class ShardStore:
 
     def write_shard(self, entries: dict[str, dict]) -> Path | None:
         """Write {key: {field: tensor}} as one new shard; return its path."""
-        from safetensors.torch import save_file
-
         if not entries:
             return None
         flat = {f"{key}{SEP}{field}": t.contiguous().cpu() for key, fields in entries.items() for field, t in fields.items()}
         path = self.root / _shard_name()
         with io.atomic_path(path) as tmp:
-            save_file(flat, str(tmp), metadata={"format": "sdpipe-cache-v1"})
+            write_checksummed(flat, tmp)
         return path
 
     def write_index(self, where: dict[str, str]) -> None:
@@ -67,8 +116,18 @@ class ShardStore:
 
         where = where if where is not None else self.read_index()
         prefix = key + SEP
+        self.check(self.root / where[key])
         with safe_open(str(self.root / where[key]), framework="pt") as f:
             return {name[len(prefix):]: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
+
+    def check(self, shard: Path, repair: str = "snakemake --forcerun latents") -> None:
+        """Verify `shard` the first time this store reads it; a damaged one is a one-line error naming the fix."""
+        if shard.name in self._verified:
+            return
+        why = problem(shard)
+        if why:
+            raise UserError(f"cache shard {shard} is damaged ({why}); run `{repair}` to encode its entries again")
+        self._verified.add(shard.name)
 
     def compact(self, target_bytes: int = 256 << 20) -> dict[str, str]:
         """Merge shards smaller than target/4 into shards of about `target_bytes`; write and return the index.
@@ -104,3 +163,21 @@ class ShardStore:
         for shard in small:
             shard.unlink(missing_ok=True)
         log.debug("compacted %d small shards in %s", len(small), self.root)
+
+
+PLACEHOLDER = "0" * 64
+
+
+def write_checksummed(flat: dict, path: Path) -> None:
+    """Save `flat` as safetensors at `path` with the sha256 of its tensor data in the header. The header is written
+    with a placeholder of the digest's length, which is overwritten in place once the data has been hashed."""
+    from safetensors.torch import save_file
+
+    save_file(flat, str(path), metadata={"format": "sdpipe-cache-v1", "sha256": PLACEHOLDER})
+    with open(path, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = fh.read(n)
+        at = 8 + header.index(f'"{PLACEHOLDER}"'.encode()) + 1
+        digest = _data_sha256(fh, 8 + n)
+        fh.seek(at)
+        fh.write(digest.encode())

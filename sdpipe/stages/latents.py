@@ -111,6 +111,8 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
 
     root = Path(cfg.cache_dir)
     stores = {"image": ShardStore(root / "latents"), "text": ShardStore(root / "text")}
+    for store in stores.values():
+        store.set_aside_damaged()  # a damaged shard's entries are then missing, so encoded again
     have = {kind: set(store.scan()) for kind, store in stores.items()}
     todo = [j for j in image_jobs if j["key"] not in have["image"]] + \
            [j for j in text_jobs if j["key"] not in have["text"]]

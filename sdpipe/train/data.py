@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from sdpipe import io
-from sdpipe.cache_store import SEP
+from sdpipe.cache_store import SEP, ShardStore
 from sdpipe.errors import UserError
 from sdpipe.stages.latents import INDEX_VERSION
 
 
 class LatentData:
-    def __init__(self, index_path: str | Path, prior_loss_weight: float = 1.0):
+    def __init__(self, index_path: str | Path, prior_loss_weight: float = 1.0, verify: bool = True):
         index_path = Path(index_path)
         if not index_path.is_file():
             raise UserError(f"latent cache index {index_path} not found; run `snakemake latents` first")
@@ -30,6 +30,7 @@ class LatentData:
         stores = {"latent": Path(self.index["latent_store"]), "text": Path(self.index["text_store"])}
         self.where = {kind: io.read_json(root / "index.json")["keys"] for kind, root in stores.items()}
         self.roots = stores
+        self.stores = {kind: ShardStore(root) for kind, root in stores.items()} if verify else {}
         self._handles: dict[Path, object] = {}
         # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
         self.sample_items = [i for i, item in enumerate(self.items) for _ in range(item["repeats"])]
@@ -61,6 +62,8 @@ class LatentData:
 
         shard = self.roots[kind] / self.where[kind][key]
         if shard not in self._handles:
+            if kind in self.stores:
+                self.stores[kind].check(shard)
             self._handles[shard] = safe_open(str(shard), framework="pt")
         return self._handles[shard].get_tensor(f"{key}{SEP}{field}")
 

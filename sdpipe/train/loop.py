@@ -108,7 +108,9 @@ def build(cfg, index: Path, out: Path) -> Run:
     accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
                               cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=ddp_kwargs(cfg))
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
-    data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0)
+    # Rank 0 verifies each cache shard as it first opens it: one pass over the cache, and every rank reads the same files.
+    data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0,
+                      verify=accelerator.is_main_process)
     t, world = cfg.train, accelerator.num_processes
     buckets = data.sample_buckets()
     plan = accounting.plan_steps(accounting.count_buckets(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
