@@ -192,6 +192,20 @@ def test_incremental_rerun_reuses(happy, tmp_path, monkeypatch):
     assert summary["decoded"] == 6 and summary["reused"] == 0
 
 
+@pytest.mark.parametrize("damage", [b"", b'{"result": {"width": 48', b'{"result": {"width": 4800}, "sha256": "0"}'])
+def test_a_damaged_cache_entry_is_decoded_again(happy, tmp_path, damage):
+    """Issue 26, item 6: a damaged prepare cache entry crashed prepare (truncated) or would be trusted (edited)."""
+    out = tmp_path / "out"
+    first, _, _ = run_prepare(happy, out)
+    entries = sorted((tmp_path / "cache" / "prepare").rglob("*.json"))
+    entries[0].write_bytes(damage)
+    shutil.rmtree(out)
+    second, _, summary = run_prepare(happy, out)
+    assert second == first
+    assert (summary["decoded"], summary["reused"]) == (1, 5)
+    assert entries[0].read_bytes() != damage  # rewritten whole
+
+
 def test_process_pool_matches_plain_loop(tmp_path):
     raw = tmp_path / "raw"
     for i in range(prepare_decode.POOL_MIN_FILES + 6):

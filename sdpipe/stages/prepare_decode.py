@@ -7,15 +7,17 @@ seen. (prepare's own outputs are no use for this: Snakemake and DVC delete them 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from sdpipe import hashing, io
 from sdpipe.log import progress
 
 POOL_MIN_FILES = 64  # below this, starting worker processes costs more than decoding in this one
-CACHE_VERSION = 1  # bump when decoding changes what it reports, so old cache entries are not reused
+CACHE_VERSION = 2  # bump when decoding changes what it reports, so old entries are not reused (2: checksums)
 
 _WORKER_STATE: dict = {}
+log = logging.getLogger(__name__)
 
 
 def _cache_file(cache_root: str, image_id: str, params: dict) -> Path:
@@ -35,11 +37,27 @@ def inspect_file(path: str, params: dict, cache_root: str) -> dict:
         return {"id": None, "reason": f"cannot read: {exc.strerror or exc}"}
     image_id = hashing.sha256_bytes(data)
     cached = _cache_file(cache_root, image_id, params)
-    if cached.is_file():
-        return {**io.read_json(cached), "id": image_id, "reused": True}
+    result = _read_entry(cached)
+    if result is not None:
+        return {**result, "id": image_id, "reused": True}
     result = _decode(data, params)
-    io.write_json(cached, result)
+    io.write_json(cached, {"result": result, "sha256": hashing.key_of(result)})
     return {**result, "id": image_id, "reused": False}
+
+
+def _read_entry(path: Path) -> dict | None:
+    """A cache entry's result, or None when there is none or it is damaged (unreadable, or not what its checksum
+    says: then it is decoded again and rewritten)."""
+    if not path.is_file():
+        return None
+    try:
+        entry = io.read_json(path)
+        if hashing.key_of(entry["result"]) == entry["sha256"]:
+            return entry["result"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.warning("prepare cache entry %s is damaged; decoding its image again", path)
+    return None
 
 
 def _decode(data: bytes, params: dict) -> dict:
