@@ -112,6 +112,43 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, cache):
     assert [r["loss"] for r in metrics(tmp_path / "resumed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, cache):
+    """Issue 26, item 6: resume crashed on a damaged newest checkpoint instead of using the older one."""
+    train(tmp_path, cache, "straight", max_steps=4)
+    train(tmp_path, cache, "resumed", max_steps=4)
+    _drop_after(tmp_path / "resumed", 4)
+    newest = sorted((tmp_path / "resumed" / "checkpoints").glob("*/checkpoint-*"))[-1]
+    weights = next(newest.rglob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in the weights: it still loads, so only the checksum can tell
+    weights.write_bytes(bytes(data))
+    named = train(tmp_path, cache, "named", check=False, max_steps=4, resume=str(newest))
+    assert named.returncode == 2
+    assert f"checkpoint {newest} cannot be used: {weights.relative_to(newest)} is damaged (checksum)" in named.stderr
+    assert "Traceback" not in named.stderr
+    proc = train(tmp_path, cache, "resumed", max_steps=4)
+    assert f"checkpoint {newest} cannot be used ({weights.relative_to(newest)} is damaged (checksum))" in proc.stderr
+    assert "checkpoint-00000002 at optimizer step 2" in proc.stderr
+    assert_same_weights(unet_weights(tmp_path / "resumed"), unet_weights(tmp_path / "straight"), 1e-6)
+    assert [int(r["step"]) for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_a_sdpipe_folder_in_the_project_does_not_shadow_the_installed_package(tmp_path, cache):
+    """Issue 26, item 7: `python -m sdpipe.train.loop` imported ./sdpipe instead of the installed package."""
+    decoy = tmp_path / "project" / "sdpipe"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text(f"open({str(tmp_path / 'decoy-ran')!r}, 'w').close()\nraise SystemExit(3)\n")
+    index, raw_cfg = cache
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**raw_cfg, "train": {**TRAIN, "max_steps": 1}}))
+    out = tmp_path / "out"
+    proc = subprocess.run([shutil.which("sdpipe") or "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"),
+                           "--index", str(index), "--out", str(out), "--summary", str(out / "summary.json")],
+                          cwd=decoy.parent, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "decoy-ran").exists()
+
+
 def test_resume_on_another_world_size_continues_the_sample_count(tmp_path, cache):
     train(tmp_path, cache, "run", max_steps=4, num_processes=2, per_device_batch_size=2)
     _drop_after(tmp_path / "run", 2)

@@ -58,10 +58,10 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
     check_installed(t.tracker)
     _check_topology(cfg, world)
     ident = model_id(cfg, data)
-    path = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
-    if path is not None:
-        checkpoint.check_compatible(checkpoint.read_state(path), ident, path)
-        log.info("resuming from %s", path)
+    found = checkpoint.find_resume(checkpoint_dir(cfg, out, ident, data), t.resume)
+    if found:  # the newest: resume verifies it and falls back to an older one if it is damaged
+        checkpoint.check_compatible(checkpoint.read_state(found[0]), ident, found[0])
+        log.info("resuming from %s", found[0])
     log.info("preflight ok: %d optimizer steps, global batch %d", plan.total_optimizer_steps, plan.global_batch_size)
 
 
@@ -171,8 +171,10 @@ def _train(cfg, inputs: dict[str, Path], out: Path, summary: Path, started: floa
     from sdpipe.train.loop import STARTED_ENV
     from sdpipe.train.trackers import environment
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", STARTED_ENV: str(started), **compile_cache_env(cfg),
-           **environment(cfg, dict(os.environ), out)}
+    # PYTHONSAFEPATH: `python -m` would put the working folder first on sys.path, and a project folder holding an
+    # `sdpipe/` folder (a checkout, a copy) would then shadow the installed package in the training processes.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", STARTED_ENV: str(started),
+           **compile_cache_env(cfg), **environment(cfg, dict(os.environ), out)}
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0 and world > 1:
         # The launcher ends every process once one fails, so a dead rank cannot leave the others waiting.

@@ -8,13 +8,16 @@ that resume would load.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from sdpipe import io
 from sdpipe.errors import UserError
 
+log = logging.getLogger("sdpipe.train")
 STATE_FILE = "sdpipe_state.json"
 PREFIX = "checkpoint-"
 
@@ -25,17 +28,48 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file())
 
 
-def find_resume(root: Path, resume: str | None) -> Path | None:
-    """The checkpoint to resume from: None, the newest complete one ("latest"), or a given folder."""
+def find_resume(root: Path, resume: str | None) -> list[Path]:
+    """The checkpoints to try, best first: none, the complete ones newest first ("latest": resume falls back to
+    an older one when the newest is damaged), or a given folder alone."""
     if resume is None:
-        return None
+        return []
     if resume == "latest":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
+        return complete_checkpoints(root)[::-1]
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise UserError(f"train.resume: {resume} is not a complete sdpipe checkpoint (no {STATE_FILE})")
-    return path
+    return [path]
+
+
+def file_sums(folder: Path) -> dict[str, list]:
+    """[size, sha256] of every file under `folder` but the state file, by relative path."""
+    from sdpipe.cache_store import _data_sha256
+
+    sums = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE):
+        with open(f, "rb") as fh:
+            sums[str(f.relative_to(folder))] = [f.stat().st_size, _data_sha256(fh, 0)]
+    return sums
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint `path` against the sums its state recorded, or None (also for a checkpoint
+    written before sums were recorded)."""
+    try:
+        wanted = read_state(path).get("files")
+    except (OSError, ValueError) as exc:
+        return f"its {STATE_FILE} is unreadable ({type(exc).__name__})"
+    if wanted is None:
+        return None
+    have = file_sums(path)
+    for name, (size, sha) in wanted.items():
+        if name not in have:
+            return f"{name} is missing"
+        if have[name][0] != size:
+            return f"{name} is damaged ({have[name][0]} bytes, {size} written)"
+        if have[name][1] != sha:
+            return f"{name} is damaged (checksum)"
+    return None
 
 
 def read_state(path: Path) -> dict:
@@ -63,18 +97,44 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Pa
         shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    try:
+        accelerator.save_state(str(tmp))
+    except (OSError, RuntimeError) as exc:
+        if not disk_full(exc, root):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_mb = shutil.disk_usage(root).free / 1e6
+        raise UserError(f"the disk is full: checkpoint {final.name} could not be saved under {root} ({free_mb:.0f} MB "
+                        f"free); free space (or lower train.keep_checkpoints), then rerun: training resumes from the "
+                        f"last complete checkpoint") from exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if metrics is not None and metrics.is_file():
             shutil.copyfile(metrics, tmp / "metrics.csv")
-        io.write_json(tmp / STATE_FILE, state)  # written last: its presence marks the folder complete
+        started = time.perf_counter()
+        sums = file_sums(tmp)  # what resume verifies before it trusts this checkpoint
+        log.info("checkpoint %s: %d files, %.1f MB hashed in %.2f s", final.name, len(sums),
+                 sum(size for size, _ in sums.values()) / 1e6, time.perf_counter() - started)
+        io.write_json(tmp / STATE_FILE, {**state, "files": sums})  # written last: it marks the folder complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def disk_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed save ran out of space: torch says only "file write failed", so the folder's free space
+    decides where the error does not carry ENOSPC itself."""
+    import errno
+
+    chain = [exc]
+    while chain[-1].__cause__ or chain[-1].__context__:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain):
+        return True
+    return "write failed" in str(exc) and shutil.disk_usage(folder).free < 256 << 20
 
 
 def match_state_layout(optimizer) -> int:

@@ -108,7 +108,7 @@ def build(cfg, index: Path, out: Path) -> Run:
     accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
                               cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=ddp_kwargs(cfg))
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
-    # Rank 0 verifies each cache shard as it first opens it: one pass over the cache, and every rank reads the same files.
+    # Rank 0 verifies each cache shard as it first opens it: one pass over the cache; every rank reads the same files.
     data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0,
                       verify=accelerator.is_main_process)
     t, world = cfg.train, accelerator.num_processes
@@ -155,14 +155,25 @@ def ddp_kwargs(cfg) -> list:
 
 
 def resume(run: Run) -> None:
-    path = checkpoint.find_resume(run.ckpt_dir, run.cfg.train.resume)
+    path, half_loaded = None, False
+    for candidate in checkpoint.find_resume(run.ckpt_dir, run.cfg.train.resume):
+        why = checkpoint.damage(candidate)
+        if why is None:
+            half_loaded, why = True, _load(run, candidate)
+        if why is None:
+            path = candidate
+            break
+        if run.cfg.train.resume != "latest":
+            raise UserError(f"train.resume: checkpoint {candidate} cannot be used: {why}")
+        log.warning("checkpoint %s cannot be used (%s); trying the one before it", candidate, why)
+    if path is None and half_loaded:  # the model may hold part of a failed load: no clean start from here
+        raise UserError(f"no checkpoint under {run.ckpt_dir} could be loaded (see the lines above); move them away "
+                        f"to train from the start")
     if path is None:
         run.state = SamplerState(epoch=0, batches_done=0, global_batch=run.sampler.global_batch, seen=[],
                                  samples_seen_total=0)
         return
     saved = checkpoint.read_state(path)
-    checkpoint.check_compatible(saved, run.model_id, path)
-    run.accelerator.load_state(str(path))
     checkpoint.match_state_layout(run.optimizer)  # the weights' layout may differ from the saving run's
     if run.ema is not None:
         run.ema.to(run.accelerator.device)  # accelerate loads registered objects onto the CPU
@@ -172,6 +183,17 @@ def resume(run: Run) -> None:
     if run.accelerator.is_main_process:
         log.info("resumed from %s at optimizer step %d (%d samples seen)", path, run.step,
                  run.state.samples_seen_total)
+
+
+def _load(run: Run, path: Path) -> str | None:
+    """Load checkpoint `path` into the run; why it could not be, or None. A later checkpoint that loads replaces
+    everything a failed one may have half loaded."""
+    checkpoint.check_compatible(checkpoint.read_state(path), run.model_id, path)
+    try:
+        run.accelerator.load_state(str(path))
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
+        return f"loading failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return None
 
 
 def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int,
