@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import tempfile
@@ -72,6 +73,26 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.safe_load(f)
 
 
+def _sweep_dead_writers(path: Path) -> None:
+    """Remove the temporary folders that killed writers of `path` left beside it (their pid is in the name)."""
+    import shutil
+
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if tmp.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a temporary folder beside `path`; on success replace `path` with it (old content removed)."""
@@ -79,7 +100,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    _sweep_dead_writers(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_UMASK)
