@@ -62,21 +62,28 @@ def _sdk():
 
 
 def _call(fn, *args, **kwargs):
-    """An SDK call whose failures become one line (the SDK's messages name no key)."""
+    """An SDK call whose failures become one line, with the API key masked wherever a server echoed it back."""
+    import runpod
     from runpod import error
 
     try:
         return fn(*args, **kwargs)
     except error.AuthenticationError:
         raise UserError("Runpod refused the API key (check RUNPOD_API_KEY or ~/.runpod/config.toml)") from None
-    except error.QueryError as exc:
-        text = str(exc)
-        if "no longer any instances available" in text or "not available" in text.lower():
-            raise UserError(f"Runpod has no capacity for this request ({text}); try another --gpu-type, fewer "
-                            "--gpus or --cloud ALL") from None
-        raise UserError(f"Runpod API: {text}") from None
-    except (OSError, ValueError) as exc:  # requests' connection errors are OSErrors
-        raise UserError(f"Runpod API: {exc}") from None
+    except (error.QueryError, OSError, ValueError) as exc:
+        raise _one_line(redact(str(exc), runpod.api_key)) from None
+
+
+def redact(text: str, key: str | None) -> str:
+    """`text` with every occurrence of `key` replaced (a server may echo the request's headers in its errors)."""
+    return text.replace(key, "***") if key else text
+
+
+def _one_line(text: str) -> UserError:
+    if "no longer any instances available" in text or "not available" in text.lower():
+        return UserError(f"Runpod has no capacity for this request ({text}); try another --gpu-type, fewer "
+                         "--gpus or --cloud ALL")
+    return UserError(f"Runpod API: {text}")
 
 
 def price_per_gpu_hour(gpu: dict, cloud: str) -> float | None:

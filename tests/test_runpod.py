@@ -26,6 +26,7 @@ POD = {"id": "pod-abc123", "name": "sdpipe", "desiredStatus": "RUNNING", "gpuCou
 class FakeRunpod(BaseHTTPRequestHandler):
     requests: list = []
     capacity = True
+    echo = False  # answer errors that quote the request's headers, as some API servers and proxies do
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -33,6 +34,8 @@ class FakeRunpod(BaseHTTPRequestHandler):
         self.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "query": query})
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self._send(401, {"error": "unauthorized"})
+        if self.echo:
+            return self._send(200, {"errors": [{"message": f"bad request; headers {dict(self.headers)}"}]})
         if "podFindAndDeployOnDemand" in query:
             if not self.capacity:
                 return self._send(200, {"errors": [{"message": "There are no longer any instances available with "
@@ -62,7 +65,7 @@ class FakeRunpod(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def api(tmp_path):
-    FakeRunpod.requests, FakeRunpod.capacity = [], True
+    FakeRunpod.requests, FakeRunpod.capacity, FakeRunpod.echo = [], True, False
     server = HTTPServer(("127.0.0.1", 0), FakeRunpod)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
@@ -139,3 +142,10 @@ def test_status_sync_and_down_use_the_remembered_pod(tmp_path, api):
     assert not (tmp_path / ".sdpipe" / "runpod.json").exists()
     # Every request carried the key only in its Authorization header.
     assert all(r["auth"] == f"Bearer {KEY}" and KEY not in r["query"] for r in FakeRunpod.requests)
+
+
+def test_a_server_that_echoes_the_key_does_not_make_us_print_it(tmp_path, api):
+    """Issue 26, item 7: an error quoting the request's Authorization header was printed as it came."""
+    FakeRunpod.echo = True
+    proc = sdpipe_runpod(tmp_path, api, "up", "--gpus", "1", "--yes")  # asserts the key is in no output
+    assert proc.returncode == 2 and "Bearer ***" in proc.stderr
