@@ -125,6 +125,9 @@ def load_inception(path: str | Path, device: str = "cpu") -> FeatureFn:
     """The standard FID feature function: uint8 batch -> 2048-d pool3 features."""
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
+    from sdpipe import plain_data
+
+    plain_data.check(path, "the FID weights")  # torch-fidelity unpickles it with weights_only=False
     try:
         net = FeatureExtractorInceptionV3("inception-v3-compat", [str(INCEPTION_DIMS)],
                                           feature_extractor_weights_path=str(path))

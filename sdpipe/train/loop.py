@@ -188,7 +188,11 @@ def resume(run: Run) -> None:
 def _load(run: Run, path: Path) -> str | None:
     """Load checkpoint `path` into the run; why it could not be, or None. A later checkpoint that loads replaces
     everything a failed one may have half loaded."""
+    from sdpipe import plain_data
+
     checkpoint.check_compatible(checkpoint.read_state(path), run.model_id, path)
+    for custom in sorted(path.glob("custom_checkpoint_*.pkl")):  # accelerate unpickles these with weights_only=False
+        plain_data.check(custom, "a checkpoint's LR scheduler or EMA state")
     try:
         run.accelerator.load_state(str(path))
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
