@@ -1,0 +1,105 @@
+"""The kill campaign (issue 26): kill -9 at seeded random moments of caching and of 1- and 2-process training,
+each time rerunning to the end and comparing with an uninterrupted run. Prints trials, survived and lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from sdpipe.cache_store import ShardStore
+from tests.conftest import small_config
+from tests.test_latents import make_inputs
+from tests.test_train import TRAIN, assert_same_weights, cache, unet_weights  # noqa: F401 (cache: a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def _killed_then_rerun(cmd: list[str], moment: float) -> tuple[bool, float]:
+    """Start `cmd` in its own process group, kill -9 the group after `moment` seconds, rerun it to the end.
+    Returns whether the kill landed before the run ended, and the rerun's wall seconds."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc.wait(timeout=moment)
+        landed = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        landed = True
+    start = time.monotonic()
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    return landed, time.monotonic() - start
+
+
+def _timed(cmd: list[str]) -> float:
+    start = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    return time.monotonic() - start
+
+
+def _report(kind: str, outcomes: list[bool], landed: list[bool]) -> None:
+    print(f"kill campaign, {kind}: {len(outcomes)} trials ({sum(landed)} killed mid-run), "
+          f"{sum(outcomes)} survived, {len(outcomes) - sum(outcomes)} lost")
+
+
+def test_kills_during_caching(tmp_path, tiny_model):
+    raw, manifest, captions = make_inputs(tmp_path, 40)
+
+    def command(name: str) -> list[str]:
+        cfg = small_config(tmp_path / name, raw, tiny_model, latents={"batch_size": 1})
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "c.yaml").write_text(yaml.safe_dump(cfg))
+        return [sys.executable, "-m", "sdpipe", "latents", "--config", str(tmp_path / name / "c.yaml"), "--manifest",
+                str(manifest), "--captions", str(captions), "--index", str(tmp_path / name / "i.json"),
+                "--summary", str(tmp_path / name / "s.json")]
+
+    wall = _timed(command("reference"))
+    reference = _latents(tmp_path / "reference")
+    rng, outcomes, landed = random.Random(26), [], []
+    for trial in range(3):
+        hit, _ = _killed_then_rerun(command(f"t{trial}"), rng.uniform(0.2, 0.9) * wall)
+        landed.append(hit)
+        got = _latents(tmp_path / f"t{trial}")
+        outcomes.append(got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got))
+    _report("caching", outcomes, landed)
+    assert all(outcomes) and any(landed)
+
+
+def _latents(project) -> dict:
+    store = ShardStore(project / "cache" / "latents")
+    return {k: store.load(k)["latent"] for k in store.scan()}
+
+
+@pytest.mark.parametrize("processes, trials", [(1, 2), (2, 2)])
+def test_kills_during_training(tmp_path, cache, processes, trials):  # noqa: F811 (the fixture imported above)
+    index, raw_cfg = cache
+    settings = {**TRAIN, "max_steps": 8, "checkpoint_every": 2, "num_processes": processes,
+                "per_device_batch_size": 4 // processes}
+
+    def command(name: str) -> list[str]:
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**raw_cfg, "train": settings}))
+        out = tmp_path / name
+        return [sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / f"{name}.yaml"), "--index",
+                str(index), "--out", str(out), "--summary", str(out / "summary.json")]
+
+    wall = _timed(command("reference"))
+    reference = unet_weights(tmp_path / "reference")
+    rng, outcomes, landed = random.Random(26 + processes), [], []
+    for trial in range(trials):
+        hit, _ = _killed_then_rerun(command(f"t{trial}"), rng.uniform(0.3, 0.95) * wall)
+        landed.append(hit)
+        try:
+            assert_same_weights(unet_weights(tmp_path / f"t{trial}"), reference, 1e-5)
+            outcomes.append(True)
+        except AssertionError:
+            outcomes.append(False)
+    _report(f"{processes}-process training", outcomes, landed)
+    assert all(outcomes) and any(landed)
