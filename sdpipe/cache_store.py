@@ -12,29 +12,19 @@ shard the first time it opens it, so a damaged one stops the run in one line ins
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import uuid
 from pathlib import Path
 
-from sdpipe import io
+from sdpipe import hashing, io
 from sdpipe.errors import UserError
 
 log = logging.getLogger(__name__)
 SEP = "/"  # tensor name = key + SEP + field
 INDEX = "index.json"
 DAMAGED = "damaged"  # where the writing stage moves shards that fail verification
-CHUNK = 16 << 20
-
-
-def _data_sha256(fh, start: int) -> str:
-    fh.seek(start)
-    digest = hashlib.sha256()
-    while block := fh.read(CHUNK):
-        digest.update(block)
-    return digest.hexdigest()
 
 
 def problem(shard: Path) -> str | None:
@@ -49,7 +39,7 @@ def problem(shard: Path) -> str | None:
             if size < 8 + n + end:
                 return f"truncated: {size} bytes of {8 + n + end}"
             wanted = (header.get("__metadata__") or {}).get("sha256")
-            if wanted and _data_sha256(fh, 8 + n) != wanted:
+            if wanted and hashing.sha256_file(shard, 8 + n) != wanted:
                 return "its data does not match its checksum"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"unreadable ({type(exc).__name__})"
@@ -176,8 +166,6 @@ def write_checksummed(flat: dict, path: Path) -> None:
     save_file(flat, str(path), metadata={"format": "sdpipe-cache-v1", "sha256": PLACEHOLDER})
     with open(path, "r+b") as fh:
         n = int.from_bytes(fh.read(8), "little")
-        header = fh.read(n)
-        at = 8 + header.index(f'"{PLACEHOLDER}"'.encode()) + 1
-        digest = _data_sha256(fh, 8 + n)
+        at = 8 + fh.read(n).index(f'"{PLACEHOLDER}"'.encode()) + 1
         fh.seek(at)
-        fh.write(digest.encode())
+        fh.write(hashing.sha256_file(path, 8 + n).encode())

@@ -14,9 +14,11 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str | Path) -> str:
+def sha256_file(path: str | Path, start: int = 0) -> str:
+    """The sha256 of a file's bytes from offset `start` on."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
+        f.seek(start)
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()

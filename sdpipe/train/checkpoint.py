@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from sdpipe import io
+from sdpipe import hashing, io
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.train")
@@ -43,13 +43,8 @@ def find_resume(root: Path, resume: str | None) -> list[Path]:
 
 def file_sums(folder: Path) -> dict[str, list]:
     """[size, sha256] of every file under `folder` but the state file, by relative path."""
-    from sdpipe.cache_store import _data_sha256
-
-    sums = {}
-    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE):
-        with open(f, "rb") as fh:
-            sums[str(f.relative_to(folder))] = [f.stat().st_size, _data_sha256(fh, 0)]
-    return sums
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE)
+    return {str(f.relative_to(folder)): [f.stat().st_size, hashing.sha256_file(f)] for f in files}
 
 
 def damage(path: Path) -> str | None:
