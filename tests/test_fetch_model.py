@@ -17,6 +17,7 @@ import yaml
 from sdpipe import config, doctor, weights
 from sdpipe.errors import UserError
 from sdpipe.fetch_model import fetch_model
+from sdpipe.models import owned
 from sdpipe.models import loading
 from tests.conftest import REPO, small_config
 
@@ -35,7 +36,8 @@ EXTRAS = {  # what real diffusers repos carry beside the files a job reads (SD 1
 
 
 def _repo_files(tiny_model: Path) -> dict[str, bytes]:
-    files = {p.relative_to(tiny_model).as_posix(): p.read_bytes() for p in tiny_model.rglob("*") if p.is_file()}
+    files = {p.relative_to(tiny_model).as_posix(): p.read_bytes() for p in tiny_model.rglob("*")
+             if p.is_file() and p.name != owned.MARKER}  # a Hub repository holds no mark of sdpipe's own presets
     index = json.loads(files["model_index.json"])
     index["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
     files["model_index.json"] = json.dumps(index).encode()
