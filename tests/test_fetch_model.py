@@ -17,8 +17,7 @@ import yaml
 from sdpipe import config, doctor, weights
 from sdpipe.errors import UserError
 from sdpipe.fetch_model import fetch_model
-from sdpipe.models import owned
-from sdpipe.models import loading
+from sdpipe.models import loading, owned
 from tests.conftest import REPO, small_config
 
 REPO_ID = "someone/tiny-sd"
