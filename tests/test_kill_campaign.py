@@ -81,8 +81,9 @@ def _latents(project) -> dict:
 @pytest.mark.parametrize("processes, trials", [(1, 2), (2, 2)])
 def test_kills_during_training(tmp_path, cache, processes, trials):  # noqa: F811 (the fixture imported above)
     index, raw_cfg = cache
+    # A port of this file's own: test_train.py's 2-process runs may rendezvous on the default one at the same time.
     settings = {**TRAIN, "max_steps": 8, "checkpoint_every": 2, "num_processes": processes,
-                "per_device_batch_size": 4 // processes}
+                "per_device_batch_size": 4 // processes, "multi_node": {"main_process_port": 29517}}
 
     def command(name: str) -> list[str]:
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**raw_cfg, "train": settings}))

@@ -41,7 +41,7 @@ def test_steady_rate_leaves_out_the_first_window_validation_and_checkpoints():
     rates = telemetry.rates()
     assert 8 / 0.02 * 0.7 < rates["samples_per_s"] <= 8 / 0.02, rates  # sleep overshoots a little, never less
     assert 0.3 < rates["warmup_s"] < 0.5, rates
-    assert 1.4 < rates["time_to_first_step_s"] < 1.7, rates
+    assert 1.4 <= rates["time_to_first_step_s"] < 1.7, rates  # rounded to 0.1 s
     assert 0.3 <= rates["validation_and_checkpoint_s"] < 0.4
     assert rates["steady_steps_samples"] == 8 * 8  # the two windows after the first
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import yaml
@@ -205,24 +204,3 @@ def test_a_dry_run_leaves_the_config_a_running_pipeline_reads(tmp_path):
     assert "rule train" in proc.stdout  # the dry run planned the other config's jobs
     assert resolved.read_bytes() == before
 
-
-def test_a_second_pipeline_in_the_same_folder_changes_nothing_of_the_first(tmp_path):
-    """Issue 26: two pipelines at once in one folder. The second, with another config, is refused by Snakemake's
-    lock, and the config the first's stages read stays the first's."""
-    import time
-
-    proj = make_project(tmp_path / "p", None)
-    (proj / "other.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
-                                                     "train": {"learning_rate": 0.5, "max_steps": 2}}))
-    first = subprocess.Popen(["snakemake", "--cores", "1", "base_model"], cwd=proj, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    locks = proj / ".snakemake" / "locks"
-    deadline = time.monotonic() + 120
-    while not list(locks.glob("*.lock")) and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert first.poll() is None, "the first run ended before the second could start"
-    second = run(["snakemake", "--cores", "1", "--configfile", "other.yaml", "--", "base_model"], proj, check=False)
-    assert first.wait(timeout=300) == 0, first.stderr[-3000:]
-    assert second.returncode != 0 and "locked" in second.stderr
-    resolved = yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())
-    assert resolved["train"]["learning_rate"] != 0.5
