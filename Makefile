@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup demo test lint clean-results constraints
+.PHONY: setup demo test lint clean-results constraints services
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
@@ -29,6 +29,14 @@ demo: setup
 # and a file's multi-process tests never share their ports with another file's.
 test: setup
 	pytest -q -n 2 --dist loadfile
+
+# Debian's packages for the services the cluster tests start and stop themselves (tests/services.py): a
+# single-node Slurm with munge. Needs root; without them those tests skip (CI sets SDPIPE_REQUIRE_SERVICES=1, so
+# there they fail instead). The loopback S3 server (moto) comes with the dev extra.
+services:
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge \
+	  || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }; }
 
 lint: setup
 	snakemake --lint

@@ -1,8 +1,9 @@
 """Where a multi-node training job runs, read from the scheduler: Slurm's environment inside an allocation.
 
 `sdpipe train` is started once per node (on Slurm by `srun --ntasks-per-node=1`, see profiles/slurm); each copy
-launches accelerate with this node's rank and the first node as the rendezvous host. Explicit
-train.multi_node settings win over the environment.
+launches accelerate with this node's rank and the first node as the rendezvous host. Inside an srun step each task
+is one accelerate machine, ranked by SLURM_PROCID, so a step of 2 tasks on one node (the CI's single-node cluster)
+launches the way 2 nodes do. Explicit train.multi_node settings win over the environment.
 """
 
 from __future__ import annotations
@@ -38,12 +39,20 @@ def slurm_nodes(env: dict) -> int:
     return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
 
 
+def slurm_machines(env: dict) -> tuple[int, int]:
+    """(machines, this one's rank): the tasks of the srun step that started this process (SLURM_STEP_NUM_TASKS is
+    set only inside a step, not in the batch script), else the nodes of the allocation."""
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or 0)
+    if tasks > 1:
+        return tasks, int(env.get("SLURM_PROCID", 0))
+    return slurm_nodes(env), int(env.get("SLURM_NODEID", 0))
+
+
 def topology(multi_node, env: dict) -> Topology:
-    """train.multi_node as configured or, when it says one machine and Slurm allocated several, Slurm's."""
+    """train.multi_node as configured or, when it says one machine and Slurm started several, Slurm's."""
     mn = multi_node
-    nodes = slurm_nodes(env)
-    if mn.num_machines > 1 or nodes < 2:
+    machines, rank = slurm_machines(env)
+    if mn.num_machines > 1 or machines < 2:
         return Topology(mn.num_machines, mn.machine_rank, mn.main_process_ip, mn.main_process_port)
     hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
-    return Topology(nodes, int(env.get("SLURM_NODEID", 0)), mn.main_process_ip or (hosts[0] if hosts else None),
-                    mn.main_process_port)
+    return Topology(machines, rank, mn.main_process_ip or (hosts[0] if hosts else None), mn.main_process_port)

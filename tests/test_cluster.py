@@ -71,3 +71,23 @@ def test_a_process_count_that_does_not_split_over_the_nodes_fails_before_launch(
         monkeypatch.setenv(key, value)
     with pytest.raises(UserError, match="multiple of"):
         train._check_topology(_cfg(), 15)
+
+
+@pytest.mark.parametrize("proc_id", [0, 1])
+def test_each_task_of_an_srun_step_is_one_machine(monkeypatch, proc_id):
+    """Two tasks on one node (srun -n 2), as the CI's single-node cluster runs them: ranked by SLURM_PROCID, since
+    both tasks share SLURM_NODEID 0."""
+    env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "vm", "SLURM_NODEID": "0",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(proc_id)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    topo = train.topology(_cfg())
+    assert (topo.num_machines, topo.machine_rank, topo.main_process_ip) == (2, proc_id, "vm")
+
+
+def test_the_batch_script_outside_a_step_counts_nodes(monkeypatch):
+    """sbatch --ntasks=2 sets SLURM_NTASKS in the batch script too; only a step's tasks are machines."""
+    for key, value in {"SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    assert train.topology(_cfg()).num_machines == 1

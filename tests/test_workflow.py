@@ -150,7 +150,7 @@ def test_profiles_parse(tmp_path, demo_source):
     # Training: one 2-node allocation; srun starts one `sdpipe train` per node, which resolves "auto" there.
     train_job = slurm.stdout[slurm.stdout.index("rule train:"):].split("\n\n")[0]
     assert "nodes=2, tasks=2, tasks_per_gpu=0, gres=gpu:8" in train_job
-    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 sdpipe train" in train_job
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 sdpipe train" in train_job
     assert "--set train.num_processes=auto" in train_job
     # Kubernetes keeps data in a storage provider (S3 in the profile); a local folder stands in for the bucket,
     # holding the raw images as a user's upload would.
