@@ -14,6 +14,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests.services import s3  # noqa: F401  (the loopback S3 fixture)
 from tests.workflow_helpers import make_project, run
 
 pytestmark = pytest.mark.slow
@@ -81,12 +82,17 @@ def _same_metrics_from_a_second_run_from_scratch(first: Path, dest: Path, demo_s
     assert a["provenance"]["seeds"] == b["provenance"]["seeds"]
 
 
-def test_a_local_directory_remote_carries_data_between_machines(tmp_path, demo_source):
-    """What an S3 or SSH remote does between a pod and a laptop, with a local folder as the remote."""
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_a_remote_carries_data_between_machines(tmp_path, demo_source, store, request):
+    """What a remote does between a pod and a laptop: a local folder, and a real (loopback) S3 server."""
     a = make_project(tmp_path / "a", demo_source)
+    remote = [[DVC, "remote", "add", "-d", "shared", str(tmp_path / "remote")]]
+    if store == "s3":
+        endpoint, _ = request.getfixturevalue("s3")
+        remote = [[DVC, "remote", "add", "-d", "shared", "s3://sdpipe/dvc"],
+                  [DVC, "remote", "modify", "shared", "endpointurl", endpoint]]
     git = ["git", "-c", "user.name=sdpipe", "-c", "user.email=sdpipe@example.invalid"]
-    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"],
-                [DVC, "remote", "add", "-d", "shared", str(tmp_path / "remote")],
+    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"], *remote,
                 git + ["add", "-A"], git + ["commit", "-q", "-m", "data"], [DVC, "push", "-q"]):
         run(cmd, a)
     b = tmp_path / "b"
@@ -97,3 +103,6 @@ def test_a_local_directory_remote_carries_data_between_machines(tmp_path, demo_s
     assert files and files == sorted(p.relative_to(b / "data" / "raw") for p in (b / "data" / "raw").rglob("*")
                                      if p.is_file())
     assert all((a / "data" / "raw" / f).read_bytes() == (b / "data" / "raw" / f).read_bytes() for f in files)
+    if store == "s3":  # the objects are in the bucket, so the pull came from the server
+        _, client = request.getfixturevalue("s3")
+        assert client.list_objects_v2(Bucket="sdpipe", Prefix="dvc/")["KeyCount"] >= len(files)

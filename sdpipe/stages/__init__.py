@@ -14,6 +14,9 @@ def read_upstream(path: str | Path, made_by: str) -> list[dict]:
 
 
 def image_file(cfg, row: dict) -> str:
-    """Where a manifest row's image is: its own path (class images live outside data.raw_dir), else under raw_dir
-    (manifests written before rows carried a file)."""
-    return row.get("file") or str(Path(cfg.data.raw_dir) / row["path"])
+    """Where a manifest row's image is. An instance image is under data.raw_dir as this job sees it: a storage
+    provider (S3 on Kubernetes) hands each job its own local copy of the raw folder, so the path prepare saw may not
+    exist here. A class image lives outside raw_dir, at its own path."""
+    if row.get("role", "instance") == "instance" and row.get("path"):
+        return str(Path(cfg.data.raw_dir) / row["path"])
+    return row["file"]

@@ -100,8 +100,24 @@ def raw_files(wildcards):
 # With model.train_vae, every stage after it uses the base pipeline with the trained VAE (rule train_vae).
 TRAIN_VAE = CFG["model"]["train_vae"]["enabled"]
 STAGE_MODEL = "results/vae/model" if TRAIN_VAE else MODEL
-# Arguments, a list: the rules quote each word ({params.model:q}), so no config value reaches a shell unquoted.
-USE_MODEL = ["--set", f"model.pretrained={STAGE_MODEL}"] if TRAIN_VAE else []
+
+
+# Where a job sees its files. With a storage provider (`--default-storage-provider s3`, as profiles/kubernetes
+# runs) Snakemake hands a job local copies under .snakemake/storage, not the paths the config names, so a stage
+# whose config names an input is pointed at the copy. Arguments, a list: the rules quote each word
+# ({params.model:q}), so no config value reaches a shell unquoted.
+def use_model(wildcards, input):
+    """The model the workflow made (a built preset, a trained VAE) or a single file, where the job sees it."""
+    given = [str(f) for f in input.get("model", [])]
+    return ["--set", f"model.pretrained={given[0]}"] if given and given[0] != MODEL else []
+
+
+def use_raw_dir(wildcards, input):
+    """data.raw_dir where the job sees it: the local copy's root, found from one raw file's copy."""
+    given, listed = [str(f) for f in input.get("raw", [])], raw_files(wildcards)
+    if not given or given[0] == listed[0]:
+        return []
+    return ["--set", f"data.raw_dir={given[0][: len(given[0]) - len(listed[0])]}{RAW_DIR}"]
 
 
 def model_files(wildcards):

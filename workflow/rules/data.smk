@@ -18,20 +18,21 @@ if DREAMBOOTH:
             "benchmarks/class_images.tsv"
         params:
             config=RESOLVED_CONFIG,
+            model=use_model,
             images=CLASS_IMAGES,
             settings={"dreambooth": CFG["dreambooth"], "model": CFG["model"], "seed": CFG["seed"],
                       "resolution": CFG["prepare"]["buckets"]["resolution"]},
         resources:
             gpu=gpus_for("dreambooth"),
         shell:
-            "sdpipe class-images --config {params.config:q} --set dreambooth.gpus={resources.gpu:q} "
+            "sdpipe class-images --config {params.config:q} {params.model:q} --set dreambooth.gpus={resources.gpu:q} "
             "--images {params.images:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule prepare:
     input:
-        raw_files,
         unpack(class_images),
+        raw=raw_files,
     output:
         manifest="results/prepare/manifest.jsonl",
         rejected="results/prepare/rejected.jsonl",
@@ -46,14 +47,16 @@ rule prepare:
         config=RESOLVED_CONFIG,
         settings={"data": CFG["data"], "prepare": CFG["prepare"], "dreambooth": DREAMBOOTH},
         class_images=CLASS_IMAGES,
+        raw=use_raw_dir,
     shell:
-        "sdpipe prepare --config {params.config:q} --class-images {params.class_images:q} --manifest {output.manifest:q} "
+        "sdpipe prepare --config {params.config:q} {params.raw:q} --class-images {params.class_images:q} --manifest {output.manifest:q} "
         "--rejected {output.rejected:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
 rule caption:
     input:
         manifest=rules.prepare.output.manifest,
+        raw=raw_files,
     output:
         captions="results/captions/captions.jsonl",
         summary="results/captions/summary.json",
@@ -66,10 +69,11 @@ rule caption:
     params:
         config=RESOLVED_CONFIG,
         settings={"caption": CFG["caption"], "cache_dir": CFG["cache_dir"]},
+        raw=use_raw_dir,
     resources:
         gpu=gpus_for("caption"),
     shell:
-        "sdpipe caption --config {params.config:q} --set caption.gpus={resources.gpu:q} "
+        "sdpipe caption --config {params.config:q} {params.raw:q} --set caption.gpus={resources.gpu:q} "
         "--manifest {input.manifest:q} --captions {output.captions:q} --summary {output.summary:q} > {log:q} 2>&1"
 
 
@@ -78,6 +82,7 @@ rule latents:
         manifest=rules.prepare.output.manifest,
         captions=rules.caption.output.captions,
         model=model_files,
+        raw=raw_files,
     output:
         index="results/latents/index.json",
         summary="results/latents/summary.json",
@@ -90,10 +95,11 @@ rule latents:
     params:
         config=RESOLVED_CONFIG,
         settings={"latents": CFG["latents"], "model": CFG["model"], "cache_dir": CFG["cache_dir"]},
-        model=USE_MODEL,
+        model=use_model,
+        raw=use_raw_dir,
     resources:
         gpu=gpus_for("latents"),
     shell:
-        "sdpipe latents --config {params.config:q} {params.model:q} --set latents.gpus={resources.gpu:q} "
+        "sdpipe latents --config {params.config:q} {params.model:q} {params.raw:q} --set latents.gpus={resources.gpu:q} "
         "--manifest {input.manifest:q} --captions {input.captions:q} "
         "--index {output.index:q} --summary {output.summary:q} > {log:q} 2>&1"

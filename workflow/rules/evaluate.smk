@@ -19,7 +19,7 @@ rule export:
         "benchmarks/export.tsv"
     params:
         config=RESOLVED_CONFIG,
-        model=USE_MODEL,
+        model=use_model,
         out=lambda wildcards, output: str(Path(output.summary).parent),
         settings={"export": CFG["export"], "model": CFG["model"], "prediction": CFG["train"]["prediction_type"]},
     resources:
@@ -41,7 +41,7 @@ rule benchmark:
         "logs/benchmark.log",
     params:
         config=RESOLVED_CONFIG,
-        model=USE_MODEL,
+        model=use_model,
         settings={"benchmark": CFG["benchmark"], "train": CFG["train"], "model": CFG["model"]},
     resources:
         gpu=benchmark_gpus(),
@@ -56,6 +56,7 @@ rule evaluate:
         model=rules.export.output.diffusers,
         manifest=rules.prepare.output.manifest,
         train_summary=rules.train.output.summary,
+        raw=raw_files,  # FID's real images
     output:
         metrics=report("results/evaluate/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
         samples=directory("results/evaluate/samples"),
@@ -68,10 +69,11 @@ rule evaluate:
     params:
         config=RESOLVED_CONFIG,
         settings={"evaluate": CFG["evaluate"], "seed": CFG["seed"]},
+        raw=use_raw_dir,
     resources:
         gpu=gpus_for("evaluate"),
     shell:
-        "sdpipe evaluate --config {params.config:q} --set evaluate.gpus={resources.gpu:q} --model {input.model:q} "
+        "sdpipe evaluate --config {params.config:q} {params.raw:q} --set evaluate.gpus={resources.gpu:q} --model {input.model:q} "
         "--manifest {input.manifest:q} --train-summary {input.train_summary:q} --metrics {output.metrics:q} "
         "--samples {output.samples:q} > {log:q} 2>&1"
 

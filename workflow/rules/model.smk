@@ -24,6 +24,7 @@ if TRAIN_VAE:
         input:
             manifest="results/prepare/manifest.jsonl",
             model=base_model_files,
+            raw=raw_files,
         output:
             model=directory("results/vae/model"),
             summary="results/vae/summary.json",
@@ -35,9 +36,11 @@ if TRAIN_VAE:
             "benchmarks/train_vae.tsv"
         params:
             config=RESOLVED_CONFIG,
+            model=use_model,
+            raw=use_raw_dir,
             settings={"model": CFG["model"], "seed": CFG["seed"], "prepare": CFG["prepare"]},
         resources:
             gpu=min(1, GPU_LIMIT),
         shell:
-            "sdpipe train-vae --config {params.config:q} --manifest {input.manifest:q} --out {output.model:q} "
+            "sdpipe train-vae --config {params.config:q} {params.model:q} {params.raw:q} --manifest {input.manifest:q} --out {output.model:q} "
             "--summary {output.summary:q} > {log:q} 2>&1"

@@ -22,7 +22,7 @@ rule train:
         procs=train_processes(),
         # On a cluster, profiles/slurm sets the `mpi` resource to an srun that starts one `sdpipe train` per node.
         launcher=lambda wildcards, resources: getattr(resources, "mpi", ""),
-        model=USE_MODEL,
+        model=use_model,
         settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"],
                   "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"]},
     resources:
