@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from sdpipe.errors import UserError
+from sdpipe.errors import UserError, disk_full
 
 STAGES = {
     "prepare": "sdpipe.stages.prepare",
@@ -247,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except UserError as exc:
         print(f"sdpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        # Every write is atomic and every cache entry checksummed, so what was finished is kept and a rerun goes on.
+        where = f" writing {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"sdpipe {args.command}: error: the disk is full{where}; free space, then rerun: finished work is kept "
+              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         logging.getLogger("sdpipe").error("interrupted")

@@ -122,12 +122,9 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Pa
 def disk_full(exc: BaseException, folder: Path) -> bool:
     """Whether a failed save ran out of space: torch says only "file write failed", so the folder's free space
     decides where the error does not carry ENOSPC itself."""
-    import errno
+    from sdpipe.errors import disk_full as says_disk_full
 
-    chain = [exc]
-    while chain[-1].__cause__ or chain[-1].__context__:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain):
+    if says_disk_full(exc):
         return True
     return "write failed" in str(exc) and shutil.disk_usage(folder).free < 256 << 20
 
