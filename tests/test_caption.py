@@ -182,12 +182,13 @@ def test_empty_model_result_falls_through_to_clip_tags(tmp_path, silent_blip_dir
     assert (summary["captioned"], summary["reused"]) == (0, 3) and again == out
 
 
-def test_clip_tags_below_threshold_fails_with_reason(tmp_path, clip_files):
+def test_clip_tags_below_threshold_fails_with_reason(tmp_path, clip_files, caplog):
     rows = [add_image(tmp_path / "raw", "a.png", 0)]
     cfg = make_cfg(tmp_path, chain=["clip_tags"], clip_tags=clip_settings(clip_files, min_probability=0.99))
     summary, out = run_stage(tmp_path, cfg, rows)
     assert out["a.png"]["caption"] is None and out["a.png"]["error"] == caption.NO_CAPTION
     assert summary["failed"] == 1
+    assert f"1 image(s) have no caption: a.png: {caption.NO_CAPTION}" in caplog.text  # said, not only counted
 
 
 def test_cache_reuse_additions_and_sidecar_change(tmp_path, blip_dir, monkeypatch):

@@ -159,13 +159,25 @@ def test_two_cpu_processes_match_one(tmp_path, tiny_model):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_changed_file_fails_only_that_image(tmp_path, tiny_model):
+def test_changed_file_fails_only_that_image_and_says_so(tmp_path, tiny_model, caplog):
     raw, _, _ = make_inputs(tmp_path, 4)
     (raw / "img_001.png").write_bytes(_png((1, 2, 3), (64, 64)))
     summary = run_stage(tmp_path, raw, tiny_model)
     assert (summary["encoded"], summary["failed"]) == (3, 1)
     failed = io.read_json(tmp_path / "out" / "index.json")["failed"]
     assert failed[0]["path"] == "img_001.png" and "rerun prepare" in failed[0]["reason"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("1 image(s) left out of training: img_001.png: " in m for m in warned), warned
+
+
+def test_no_image_encoded_is_one_line_naming_why(tmp_path, tiny_model):
+    """Once seen under S3 storage: every image missing where the job looked, and the stage said only
+    "40 failed"."""
+    raw, _, _ = make_inputs(tmp_path, 4)
+    for image in raw.glob("*.png"):
+        image.unlink()
+    with pytest.raises(UserError, match=r"no image could be encoded: img_000.png: .* \(and 1 more"):
+        run_stage(tmp_path, raw, tiny_model)
 
 
 def test_bucket_not_divisible_by_vae_is_a_user_error(tmp_path, tiny_model):

@@ -404,3 +404,20 @@ def test_cli_missing_raw_dir_is_one_line(tmp_path):
     assert len(lines) == 1 and "does not exist" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_every_skipped_or_rejected_file_is_named_in_the_log(tmp_path, caplog):
+    """Issue 26: a user reading the log learns which files were left out and why, not only how many."""
+    raw = tmp_path / "raw"
+    put(raw, "a.png", noise())
+    put(raw, "b_copy.png", noise())
+    put(raw, ".hidden/c.png", noise(seed=3))
+    put(raw, ".d.png", noise(seed=4))
+    put(raw, "empty.png", b"")
+    (raw / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    caplog.set_level("INFO")
+    run_prepare(raw, tmp_path / "out")
+    assert "b_copy.png (same as a.png)" in caplog.text
+    assert "rejected empty.png: empty file (0 bytes)" in caplog.text
+    assert "3 hidden or special entries skipped" in caplog.text
+    assert all(name in caplog.text for name in (".hidden/", ".d.png", "gone.png"))

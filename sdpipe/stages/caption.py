@@ -138,4 +138,9 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     io.write_json(outputs["summary"], summary)
     log.info("caption: %d captioned, %d reused, %d failed of %d (%s)", summary["captioned"], summary["reused"],
              summary["failed"], summary["total"], ", ".join(f"{k} {v}" for k, v in summary["by_source"].items()))
+    missed = [item for item in items if item.caption is None]
+    if missed:  # left out of training by the latents stage: say which, and why, here where it happens
+        shown = "; ".join(f"{item.row['path']}: {item.error or NO_CAPTION}" for item in missed[:3])
+        more = f" (and {len(missed) - 3} more, with an error in {outputs['captions']})" if len(missed) > 3 else ""
+        log.warning("caption: %d image(s) have no caption: %s%s", len(missed), shown, more)
     return summary

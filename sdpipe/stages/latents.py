@@ -177,4 +177,16 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, 
     io.write_json(outputs["summary"], summary)
     log.info("latents: %d encoded, %d reused, %d failed (%s images/s)", encoded, summary["reused"], len(failed),
              summary["images_per_s"])
+    _say_what_failed(failed, outputs["index"], none_kept=not kept)
     return summary
+
+
+def _say_what_failed(failed: list[dict], index, none_kept: bool) -> None:
+    """Name the images that could not be encoded (they are left out of training), and stop when none could."""
+    if not failed:
+        return
+    shown = "; ".join(f"{f['path']}: {f['reason']}" for f in failed[:3])
+    more = f" (and {len(failed) - 3} more, listed under \"failed\" in {index})" if len(failed) > 3 else ""
+    if none_kept:
+        raise UserError(f"no image could be encoded: {shown}{more}")
+    log.warning("latents: %d image(s) left out of training: %s%s", len(failed), shown, more)

@@ -37,15 +37,18 @@ MAX_LOGGED_WARNINGS = 10
 
 # --- scanning and sidecars ---------------------------------------------------------------------------------------
 
-def scan(raw: Path, caption_extensions: list[str]) -> tuple[list[str], list[str]]:
-    """(image candidates, sidecar captions) as sorted posix paths relative to raw; hidden names are skipped."""
+def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
+    plain files are skipped, and listed in `skipped` when it is given."""
     captions = {ext.lower() for ext in caption_extensions}
-    images, sidecars = [], []
+    images, sidecars, skipped = [], [], [] if skipped is None else skipped
     for folder, dirs, files in os.walk(raw):
+        skipped += [Path(folder, d, "").relative_to(raw).as_posix() + "/" for d in dirs if d.startswith(".")]
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
             path = Path(folder, name)
             if name.startswith(".") or not path.is_file():  # is_file drops FIFOs, which would block a read
+                skipped.append(path.relative_to(raw).as_posix())
                 continue
             rel = path.relative_to(raw).as_posix()
             (sidecars if path.suffix.lower() in captions else images).append(rel)
@@ -208,7 +211,11 @@ def _candidates(cfg) -> tuple[Path, list[str], list[str]]:
         raise UserError(f"data.raw_dir: folder {cfg.data.raw_dir} does not exist; {hint}")
     if not raw.is_dir():
         raise UserError(f"data.raw_dir: {cfg.data.raw_dir} is a file, not a folder; {hint}")
-    images, sidecars = scan(raw, cfg.data.caption_extensions)
+    skipped: list[str] = []
+    images, sidecars = scan(raw, cfg.data.caption_extensions, skipped)
+    if skipped:
+        log.info("%d hidden or special entries skipped (names starting with '.', FIFOs, broken links): %s%s",
+                 len(skipped), ", ".join(skipped[:3]), ", ..." if len(skipped) > 3 else "")
     if not images:
         raise UserError(f"data.raw_dir: folder {cfg.data.raw_dir} holds no image files "
                         f"({len(sidecars)} captions, hidden files skipped); {hint}")
@@ -236,7 +243,14 @@ def summarize(cfg, out: Outcome, scanned: int, params: dict) -> dict:
 
 def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
     if out.duplicates:
-        log.info("%d duplicate files (identical bytes) skipped", len(out.duplicates))
+        shown = ", ".join(f"{d['path']} (same as {d['duplicate_of']})" for d in out.duplicates[:3])
+        log.info("%d duplicate files (identical bytes) skipped: %s%s", len(out.duplicates), shown,
+                 ", ..." if len(out.duplicates) > 3 else "")
+    for row in out.rejected[:MAX_LOGGED_WARNINGS]:
+        log.warning("rejected %s: %s", row["path"], row["reason"])
+    if len(out.rejected) > MAX_LOGGED_WARNINGS:
+        log.warning("... and %d more rejected; the rejected list names each with its reason",
+                    len(out.rejected) - MAX_LOGGED_WARNINGS)
     for line in out.warnings[:MAX_LOGGED_WARNINGS]:
         log.warning("%s", line)
     if len(out.warnings) > MAX_LOGGED_WARNINGS:
