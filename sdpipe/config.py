@@ -454,9 +454,20 @@ def check_user_config(cfg: Config) -> None:
         raise UserError(f"config: model.build_preset = {m.build_preset} would replace {m.pretrained}, which sdpipe did "
                         f"not build, with a random-init model; to train on it set model.build_preset: null, or move "
                         f"it away to let sdpipe build the preset there")
+    _check_folders(cfg)
     from sdpipe import model_facts
 
     model_facts.check(cfg)
+
+
+def _check_folders(cfg: Config) -> None:
+    """Paths the stages write folders under must not be files (each stage would otherwise stop in a traceback)."""
+    for key, value in (("cache_dir", cfg.cache_dir),):
+        path = Path(value)
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise UserError(f"config: {key} = {value} must be a folder, but {blocker} is a file; point it at a "
+                            f"folder (it is made if missing)")
 
 
 def _check_combinations(cfg: Config) -> None:

@@ -135,3 +135,11 @@ def test_ddp_settings_reach_accelerate():
     assert group.timeout == timedelta(seconds=120)
     with pytest.raises(UserError, match="train.ddp.timeout_s = 5"):
         config.from_dict({"train": {"ddp": {"timeout_s": 5}}})
+
+
+def test_a_cache_dir_under_a_file_is_one_line_before_any_work(tmp_path):
+    """Issue 26 (one of 29 bad configs): check-config said ok, and prepare then stopped in NotADirectoryError."""
+    (tmp_path / "afile").write_text("x")
+    cfg = config.from_dict({"model": {"pretrained": "m"}, "cache_dir": str(tmp_path / "afile" / "cache")})
+    with pytest.raises(UserError, match=r"cache_dir = .*afile/cache must be a folder, but .*afile is a file"):
+        config.check_user_config(cfg)
