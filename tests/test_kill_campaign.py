@@ -35,7 +35,9 @@ def _killed_then_rerun(cmd: list[str], moment: float) -> tuple[bool, float]:
         landed = True
     start = time.monotonic()
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # The first lines that name an error: in a multi-process run the one that failed first is not the last word.
+    errors = [line for line in rerun.stderr.splitlines() if "rror" in line][:20]
+    assert rerun.returncode == 0, "\n".join(errors) + "\n...\n" + rerun.stderr[-3000:]
     return landed, time.monotonic() - start
 
 

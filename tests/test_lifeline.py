@@ -75,3 +75,17 @@ def test_a_run_waits_for_a_dead_runs_rank_then_refuses_a_living_one(tmp_path):
                 pass
     finally:
         holder.kill()
+
+
+def test_a_run_waits_for_every_rank_of_a_dead_run_not_only_rank_0(tmp_path):
+    """A rank other than 0 that outlives rank 0 by a moment could still reach the new run's rendezvous on the same
+    port (suspected in the 2-process kill campaign's lost trial): the new run waits for it too."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from sdpipe.train import lifeline; lifeline.hold_ranks_lock(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(1.5)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with lifeline.run_lock(tmp_path, rank_wait_s=30):
+        assert holder.poll() is not None
+    assert lifeline.hold_ranks_lock(tmp_path) >= 0  # two ranks of one run share it
+    assert lifeline.hold_ranks_lock(tmp_path) >= 0

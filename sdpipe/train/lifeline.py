@@ -5,8 +5,10 @@ process group (Snakemake's, a pod's) used to leave the ranks training, and a rer
 at the same time. Two guards:
 
 - each rank asks the kernel for SIGTERM when its parent dies (Linux's parent-death signal);
-- one lock per run folder: `sdpipe train` holds `.run.lock` for the whole stage, and rank 0 holds `.rank.lock` while
-  it lives, so a second run refuses while the first is alive and waits, briefly, for a dead run's ranks to go.
+- one lock per run folder: `sdpipe train` holds `.run.lock` for the whole stage, rank 0 holds `.rank.lock` while it
+  lives, and every rank holds `.ranks.lock` shared while it lives. A second run refuses while the first is alive,
+  and waits, briefly, for every rank of a dead run to go: a rank that outlived rank 0 by a moment could otherwise
+  still talk to the new run's rendezvous on the same port.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Iterator
 from sdpipe.errors import UserError
 
 PR_SET_PDEATHSIG = 1
-RUN_LOCK, RANK_LOCK = ".run.lock", ".rank.lock"
+RUN_LOCK, RANK_LOCK, RANKS_LOCK = ".run.lock", ".rank.lock", ".ranks.lock"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -61,11 +63,12 @@ def run_lock(out: Path, rank_wait_s: float = 60.0) -> Iterator[None]:
     if fd is None:
         raise UserError(f"another training run is using {out}; wait for it to end or stop it, then rerun")
     try:
-        rank = _take(out / RANK_LOCK, rank_wait_s)
-        if rank is None:
-            raise UserError(f"training processes of an earlier run still hold {out / RANK_LOCK} after "
-                            f"{rank_wait_s:.0f} s; stop them (fuser -k {out / RANK_LOCK}), then rerun")
-        os.close(rank)  # free for this run's rank 0
+        for name in (RANKS_LOCK, RANK_LOCK):
+            rank = _take(out / name, rank_wait_s)
+            if rank is None:
+                raise UserError(f"training processes of an earlier run still hold {out / name} after "
+                                f"{rank_wait_s:.0f} s; stop them (fuser -k {out / name}), then rerun")
+            os.close(rank)  # free for this run's ranks
         yield
     finally:
         os.close(fd)
@@ -76,4 +79,12 @@ def hold_rank_lock(out: Path) -> int:
     fd = _take(out / RANK_LOCK, 0)
     if fd is None:
         raise UserError(f"another training process is writing {out}; stop it, then rerun")
+    return fd
+
+
+def hold_ranks_lock(out: Path) -> int:
+    """Every rank's shared hold on the run folder for as long as it lives (released by the kernel when it exits)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / RANKS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting run checks that no earlier rank is left
     return fd

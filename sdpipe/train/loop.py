@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     started = stage_started(time.time())
     setup_logging()
     lifeline.die_with_parent()  # a kill -9 of the stage takes the ranks with it
+    lifeline.hold_ranks_lock(Path(args.out))  # until this process exits
     try:
         run = build(config.load(args.config, args.set), Path(args.index), Path(args.out))
         if run.accelerator.is_main_process:
