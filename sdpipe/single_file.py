@@ -207,12 +207,13 @@ def convert(path: Path, fam: str, root: Path, configs: list[Path], out: Path, dt
     import logging
 
     import torch
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.loaders.single_file_utils import SingleFileComponentError
+
+    from sdpipe.models import families
 
     logging.getLogger(__name__).info("converting single-file %s checkpoint %s to a diffusers folder at %s (once)",
                                      fam, path, out)
-    cls = StableDiffusionXLPipeline if fam == "sdxl" else StableDiffusionPipeline
+    cls = families.FAMILIES[fam].pipeline()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".configs.", dir=out.parent) as config_copy, \
             tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:

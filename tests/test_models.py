@@ -222,3 +222,35 @@ def test_auto_compiles_only_runs_long_enough_to_repay_it(device, samples, decide
     assert resolved.train.compile == decided and resolved.raw is cfg.raw
     explicit = config.from_dict({"train": {"compile": "blocks"}})
     assert resolve_compile(explicit, torch.device(device), samples).train.compile == "blocks"
+
+
+@pytest.mark.parametrize("index, named", [
+    ({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
+      "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+      "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+      "text_encoder_3": ["transformers", "T5EncoderModel"], "vae": ["diffusers", "AutoencoderKL"]},
+     "Stable Diffusion 3 / 3.5"),
+    ({"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+      "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+      "vae": ["diffusers", "AutoencoderKL"]}, "Flux"),
+    ({"_class_name": "SomeDiTPipeline", "transformer": ["diffusers", "X"], "text_encoder_2": ["transformers", "Y"]},
+     "SomeDiTPipeline pipeline without a UNet"),
+])
+def test_sd3_and_flux_folders_are_refused_not_taken_for_sdxl(tmp_path, index, named):
+    """Issue 27: a minimal model_index.json of SD3 or Flux was detected as sdxl (it has a text_encoder_2)."""
+    from sdpipe.models import loading
+
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=f"is a {named} model; sdpipe trains SD 1.x/2.x and SDXL UNet pipelines"):
+        loading.pipeline_family(str(tmp_path))
+
+
+def test_sd_and_sdxl_folders_keep_their_family(tmp_path):
+    from sdpipe.models import loading
+
+    unet = {"unet": ["diffusers", "UNet2DConditionModel"], "text_encoder": ["transformers", "CLIPTextModel"]}
+    cases = {"StableDiffusionPipeline": (unet, "sd"), "StableDiffusionXLPipeline": (unet, "sdxl"),
+             "": ({**unet, "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}, "sdxl")}
+    for cls, (parts, family) in cases.items():
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": cls, **parts}))
+        assert loading.pipeline_family(str(tmp_path)) == family

@@ -17,6 +17,7 @@ import transformers
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
 from sdpipe import io, weights
+from sdpipe.models import families
 from sdpipe.errors import UserError
 
 # (tokenizer, text encoder) pairs in pipeline order; SDXL's refiner has only the second.
@@ -33,22 +34,16 @@ def model_index(pretrained: str, revision: str | None = None) -> tuple[Path, dic
     return root, io.read_json(index)
 
 
-def _present(index: dict, name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and entry[0] is not None
-
-
 def pipeline_family(pretrained: str, revision: str | None = None) -> str:
-    """"sdxl" for SDXL pipelines (base or refiner), else "sd" (SD 1.x / 2.x)."""
+    """"sdxl" for SDXL pipelines (base or refiner), "sd" for SD 1.x / 2.x; any other pipeline is a UserError."""
     _, index = model_index(pretrained, revision)
-    is_xl = "XL" in index.get("_class_name", "") or _present(index, "text_encoder_2")
-    return "sdxl" if is_xl else "sd"
+    return families.detect(index, str(pretrained)).name
 
 
 def text_component_names(pretrained: str, revision: str | None = None) -> list[str]:
     """The text encoder subfolders, in pipeline order: the weights that text embeddings depend on."""
     _, index = model_index(pretrained, revision)
-    names = [enc for _, enc in TEXT_PAIRS if _present(index, enc)]
+    names = [enc for _, enc in TEXT_PAIRS if families.present(index, enc)]
     if not names:
         raise UserError(f"{pretrained} has no text encoder (model_index.json lists neither text_encoder nor "
                         f"text_encoder_2); sdpipe needs a text-conditioned SD/SDXL pipeline")
@@ -148,7 +143,7 @@ def load_text_stack(pretrained: str, revision: str | None = None, variant: str |
     root, index = model_index(pretrained, revision)
     family, tokenizers, encoders, names = pipeline_family(pretrained, revision), [], [], []
     for tok_name, enc_name in TEXT_PAIRS:
-        if not _present(index, enc_name):
+        if not families.present(index, enc_name):
             continue
         with user_errors(pretrained, f"{tok_name}/{enc_name}", variant):
             tokenizers.append(_class(index, tok_name, transformers.CLIPTokenizer).from_pretrained(root / tok_name))

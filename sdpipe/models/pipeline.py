@@ -32,15 +32,13 @@ def load_pipeline(pretrained: str, revision: str | None = None, variant: str | N
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   prediction_type: str | None = None, **components):
     """StableDiffusion(XL)Pipeline from a diffusers folder or cached hub id; no safety checker, no watermark."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from sdpipe.models import families
 
     root = loading.model_index(pretrained, revision)[0]
-    xl = loading.pipeline_family(pretrained, revision) == "sdxl"
-    # SDXL's watermark would alter pixels compared across runs (and needs an optional package).
-    extra = {"add_watermarker": False} if xl else {"safety_checker": None, "requires_safety_checker": False}
+    family = families.FAMILIES[loading.pipeline_family(pretrained, revision)]
     with no_load_bars(), loading.user_errors(pretrained, "the pipeline", variant):
-        pipe = (StableDiffusionXLPipeline if xl else StableDiffusionPipeline).from_pretrained(
-            root, torch_dtype=dtype, variant=variant, local_files_only=True, **extra, **components)
+        pipe = family.pipeline().from_pretrained(root, torch_dtype=dtype, variant=variant, local_files_only=True,
+                                                 **dict(family.load_args), **components)
     pipe.set_progress_bar_config(disable=True)
     if prediction_type:  # sample with the objective the UNet was trained on
         pipe.scheduler.register_to_config(prediction_type=prediction_type)
