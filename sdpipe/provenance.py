@@ -29,3 +29,22 @@ def git_state() -> tuple[str, bool]:
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
     return commit or "unknown", dirty
+
+
+def gpu_facts() -> dict:
+    """GPU model, count and driver (for provenance); nulls on a CPU-only machine."""
+    import subprocess
+
+    import torch
+
+    count = torch.cuda.device_count()
+    driver = None
+    if count:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+            driver = out[0] if out else None
+        except (OSError, subprocess.SubprocessError):
+            driver = None
+    return {"name": torch.cuda.get_device_name(0) if count else None, "count": count, "driver": driver,
+            "cuda": torch.version.cuda}

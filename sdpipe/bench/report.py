@@ -19,8 +19,7 @@ LOADER_FACTOR = 2.0  # the loader must deliver at least twice what the step cons
 def provenance(commit: str | None) -> dict:
     import torch
 
-    from sdpipe.doctor import gpu_facts
-    from sdpipe.provenance import git_state, package_versions
+    from sdpipe.provenance import git_state, gpu_facts, package_versions
 
     head, dirty = git_state()
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),

@@ -33,7 +33,7 @@ def _check_prompt(prompt: str) -> None:
         raise UserError(f"{KEY}.prompt = {prompt!r}: use {{}} once for the word and no other braces") from None
 
 
-def _register(c) -> str | None:
+def register(c) -> str | None:
     """Register caption.clip_tags.model_config with open_clip; return its content hash (it shapes the model)."""
     import open_clip
 
@@ -55,7 +55,7 @@ def _register(c) -> str | None:
     return hashing.sha256_file(path)
 
 
-def _cached_tag_file(tag: dict) -> tuple[Path | None, str]:
+def cached_tag_file(tag: dict) -> tuple[Path | None, str]:
     """(the tag's weights file if already downloaded, how to download it)."""
     from huggingface_hub import try_to_load_from_cache
 
@@ -91,7 +91,7 @@ def _checkpoint(model: str, pretrained: str) -> tuple[Path, dict]:
         known = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
         raise UserError(f"{KEY}.pretrained = {pretrained!r} is neither a checkpoint file nor a pretrained tag of "
                         f"{model} (known tags: {known})")
-    found, how = _cached_tag_file(tag)
+    found, how = cached_tag_file(tag)
     if found is None:
         raise UserError(f"open_clip weights {model}/{pretrained} are not in the local cache; {how} "
                         f"(or set {KEY}.pretrained to a local checkpoint file)")
@@ -100,7 +100,7 @@ def _checkpoint(model: str, pretrained: str) -> tuple[Path, dict]:
     return found, {arg: (list(tag[k]) if isinstance(tag[k], tuple) else tag[k]) for k, arg in names.items() if k in tag}
 
 
-def _locate(c) -> tuple[str, Path, dict, str | None]:
+def locate(c) -> tuple[str, Path, dict, str | None]:
     """(name to create the model by, weights path, preprocessing overrides, hash of a folder's own config)."""
     import open_clip
 
@@ -123,8 +123,8 @@ def describe(cfg, memo_file) -> ModelSpec:
 
     c = cfg.caption.clip_tags
     _check_prompt(c.prompt)
-    config_sha256 = _register(c)
-    arch, local, preprocess, folder_config_sha256 = _locate(c)
+    config_sha256 = register(c)
+    arch, local, preprocess, folder_config_sha256 = locate(c)
     memo = weights.HashMemo(memo_file)
     weights_sha256 = memo.file_hash(local) if local.is_file() else memo.tree_hash(local)
     params = dataclasses.asdict(c)

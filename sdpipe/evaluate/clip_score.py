@@ -39,7 +39,7 @@ def _keyed(resolver, *args):
 
 def _missing(c) -> str | None:
     """Why the weights are not on this machine and the fix; None when they are, or when the config itself is wrong
-    (_locate then says so)."""
+    (locate then says so)."""
     import open_clip
 
     kind, _, ident = c.model.partition(":")
@@ -55,7 +55,7 @@ def _missing(c) -> str | None:
         return (f"{KEY}.pretrained: checkpoint file {c.pretrained} does not exist; copy the checkpoint there or set "
                 f"{KEY}.pretrained to an open_clip pretrained tag")
     tag = open_clip.get_pretrained_cfg(c.model, c.pretrained)
-    found, how = clip_tags._cached_tag_file(tag) if tag else (True, "")
+    found, how = clip_tags.cached_tag_file(tag) if tag else (True, "")
     if found:
         return None
     return (f"open_clip weights {c.model}/{c.pretrained} are not in the local cache; {how}, or run `sdpipe "
@@ -69,11 +69,11 @@ def locate(c) -> tuple[dict | None, str | None]:
     """
     import open_clip
 
-    _keyed(clip_tags._register, c)
+    _keyed(clip_tags.register, c)
     reason = _missing(c)
     if reason:
         return None, reason
-    arch, local, preprocess, _ = _keyed(clip_tags._locate, c)
+    arch, local, preprocess, _ = _keyed(clip_tags.locate, c)
     # A checkpoint loaded by path loses its tag's activation; tags trained with QuickGELU (e.g. openai) need it back.
     tag = {} if arch.startswith("local-dir:") else open_clip.get_pretrained_cfg(c.model, c.pretrained)
     return {"arch": arch, "weights": str(local), "preprocess": preprocess,

@@ -121,8 +121,7 @@ def colour_accuracy(images: list, prompts: list[str]) -> dict:
 
 
 def provenance(cfg) -> dict:
-    from sdpipe.doctor import gpu_facts
-    from sdpipe.provenance import git_state, package_versions
+    from sdpipe.provenance import git_state, gpu_facts, package_versions
 
     commit, dirty = git_state()
     return {"git_commit": commit, "git_dirty": dirty, "gpu": gpu_facts(), "packages": package_versions(),

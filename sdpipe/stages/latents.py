@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from sdpipe import hashing, io, model_facts, parallel
+from sdpipe import hashing, io, latent_index, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
@@ -21,7 +21,6 @@ from sdpipe.stages import image_file, read_upstream
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
-INDEX_VERSION = 4  # the layout of results/latents/index.json that training reads
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
@@ -159,7 +158,7 @@ def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, 
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
     encoded = len({it["id"] for it in kept} & encoded_ids)
     io.write_json(outputs["index"], {
-        "version": INDEX_VERSION, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
+        "version": latent_index.VERSION, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
         "empty_text_key": _text_key("", model, cfg.latents.dtype),
         "text_store": str(Path(cfg.cache_dir) / "text"), "items": kept, "failed": failed})
     summary = {

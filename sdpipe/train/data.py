@@ -13,7 +13,7 @@ import torch
 from sdpipe import io
 from sdpipe.cache_store import SEP, ShardStore
 from sdpipe.errors import UserError
-from sdpipe.stages.latents import INDEX_VERSION
+from sdpipe.latent_index import VERSION as INDEX_VERSION
 
 
 class LatentData:
