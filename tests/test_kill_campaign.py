@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -37,6 +38,8 @@ def _killed_then_rerun(cmd: list[str], moment: float) -> tuple[bool, float]:
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     # The first lines that name an error: in a multi-process run the one that failed first is not the last word.
     errors = [line for line in rerun.stderr.splitlines() if "rror" in line][:20]
+    if rerun.returncode != 0:  # also as a warning: pytest's summary shows warnings even of an expected failure
+        warnings.warn(f"kill campaign rerun failed ({rerun.returncode}): " + " | ".join(errors[:8]), stacklevel=1)
     assert rerun.returncode == 0, "\n".join(errors) + "\n...\n" + rerun.stderr[-3000:]
     return landed, time.monotonic() - start
 
