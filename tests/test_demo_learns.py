@@ -1,7 +1,7 @@
 """The demo learns colour words: generated shapes have the colour their prompt names.
 
 The full demo (8 colours, 5 shapes, 480 images; `make demo`) takes over ten minutes on a 2-core CPU, too long for
-the suite, and README's Performance section records its colour accuracy. This runs the same Snakemake DAG, the
+the suite, and benchmarks/README.md records its colour accuracy. This runs the same Snakemake DAG, the
 same tiny preset and the same stages (VAE training, latents, training, export, evaluate) on the demo's red and
 blue images only, with a schedule short enough for CI, and checks every generated image against its prompt.
 """
