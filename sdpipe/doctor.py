@@ -9,6 +9,11 @@ import sys
 
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "peft", "open_clip_torch", "snakemake", "dvc")
 
 
@@ -126,7 +131,7 @@ def model_status(name: str, revision: str | None, variant: str | None) -> str:
     return pipeline_status(weights.resolve(name, revision), variant)
 
 
-def weight_rows(cfg) -> list[tuple[str, str, bool]]:
+def weight_rows(cfg: Config) -> list[tuple[str, str, bool]]:
     """(what, where or why not, found) for every set of weights this config will load. "found" means the files
     are whole and readable, not only present."""
     from sdpipe import weights
@@ -150,7 +155,7 @@ def weight_rows(cfg) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def run(cfg, strict: bool = False) -> int:
+def run(cfg: Config, strict: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 

@@ -16,6 +16,11 @@ from pathlib import Path
 
 from sdpipe import io
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 HEADER = """\
 # Made by `sdpipe dvc-yaml` from config/config.yaml (sdpipe/dvc_file.py): run it again after changing the model,
 # the images folder or any model.* / dreambooth.enabled setting. DVC decides WHAT must rerun; Snakemake defines HOW
@@ -73,7 +78,7 @@ PLOTS = [{"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"
          "results/evaluate/samples/grid.png"]
 
 
-def model_paths(cfg) -> tuple[str | None, str | None]:
+def model_paths(cfg: Config) -> tuple[str | None, str | None]:
     """(the base model as a DVC dependency, the model later stages load): a local folder or file is a
     dependency, a hub id is not (its name and revision are params)."""
     from sdpipe import weights
@@ -83,11 +88,11 @@ def model_paths(cfg) -> tuple[str | None, str | None]:
     return base, (TRAINED_VAE if m.train_vae.enabled else base)
 
 
-def wanted(name: str, cfg) -> bool:
+def wanted(name: str, cfg: Config) -> bool:
     return {"base_model": bool(cfg.model.build_preset), "train_vae": cfg.model.train_vae.enabled}.get(name, True)
 
 
-def stage_entry(name: str, stage: Stage, cfg, code: list[str]) -> dict:
+def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
     base, stage_model = model_paths(cfg)
     deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
     if name == "prepare" and cfg.dreambooth.enabled and base:
@@ -107,7 +112,7 @@ def stage_entry(name: str, stage: Stage, cfg, code: list[str]) -> dict:
     return {**entry, **stage.extra}
 
 
-def render(cfg, project: Path) -> dict:
+def render(cfg: Config, project: Path) -> dict:
     source = project / "sdpipe"
     stages = {}
     for name, stage in STAGES.items():
@@ -119,13 +124,13 @@ def render(cfg, project: Path) -> dict:
     return {"stages": stages, "plots": PLOTS}
 
 
-def text(cfg, project: Path) -> str:
+def text(cfg: Config, project: Path) -> str:
     import yaml
 
     return HEADER + yaml.safe_dump(render(cfg, project), sort_keys=False, width=120)
 
 
-def write(project: Path, cfg) -> Path:
+def write(project: Path, cfg: Config) -> Path:
     path = project / "dvc.yaml"
     io.write_text(path, text(cfg, project))
     return path
@@ -139,9 +144,19 @@ def _module_file(name: str, project: Path) -> Path | None:
     return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:`: an import only type checkers see is not code the stage runs."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in (child, *_runtime_nodes(child)))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def _imports(name: str, project: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(_module_file(name, project).read_text(encoding="utf-8"))):
+    for node in _runtime_nodes(ast.parse(_module_file(name, project).read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -18,6 +18,11 @@ from pathlib import Path
 from sdpipe.errors import UserError
 from sdpipe.weights import WEIGHTED, weight_variant
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 SMALL = (".json", ".txt", ".model")  # configs, shard indexes, tokenizer vocab/merges/sentencepiece
 
 
@@ -47,7 +52,7 @@ def _weights(comp: str, files: list[str], variant: str | None) -> list[str]:
     raise UserError(f"the repo has no .safetensors or .bin weights for {comp}")
 
 
-def plan(cfg) -> list[tuple[str, str | None, bool]] | str:
+def plan(cfg: Config) -> list[tuple[str, str | None, bool]] | str:
     """(hub repo, revision, with weights) to fetch for this config, or why there is nothing to fetch."""
     from sdpipe import single_file, weights
 
@@ -96,7 +101,7 @@ def _literal(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def fetch_model(cfg) -> list[str]:
+def fetch_model(cfg: Config) -> list[str]:
     """Fetch what the config's base model needs; lines saying what and how much."""
     todo = plan(cfg)
     if isinstance(todo, str):

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
 
-def configs(cfg, convert: bool = False) -> tuple[dict, dict] | None:
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
+
+def configs(cfg: Config, convert: bool = False) -> tuple[dict, dict] | None:
     """(unet config, vae config) of the config's base model, or None where its files are not here yet. A single-file
     checkpoint is read only when `convert` allows its (cached) conversion: stages do, checks do not."""
     m = cfg.model
@@ -48,7 +53,7 @@ def native_resolution(unet: dict, vae: dict) -> int:
     return (size[0] if isinstance(size, (list, tuple)) else size) * vae_factor(vae)
 
 
-def check(cfg) -> None:
+def check(cfg: Config) -> None:
     """Mistakes between the config and its base model, before any stage runs (skipped while the weights are not
     here: check-config's plan says so)."""
     found = configs(cfg)

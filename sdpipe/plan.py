@@ -11,6 +11,11 @@ from pathlib import Path
 from sdpipe import model_facts
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 # Activation memory per sample and megapixel of training resolution (eager, bf16): the whole-DAG peaks of
 # benchmarks/NOTES.md v12 less weights, gradients and optimizer state. SD 1.5 at 512 px, batch 32: about 4.3 GB
 # (50.1 GB full, 40.6 GB LoRA); SDXL LoRA at 1024 px, batch 8: about 7.5 GB (73.8 GB). Gradient checkpointing
@@ -21,18 +26,18 @@ CHECKPOINTING_FACTOR = 0.35
 BYTES_PER_PARAM = {"full": 16, "lora": 4}
 
 
-def lines(cfg) -> list[str]:
+def lines(cfg: Config) -> list[str]:
     unet = _unet_config(cfg)
     return [_model(cfg, unet), _training(cfg), _images(cfg), _schedule(cfg), _memory(cfg, unet), _outputs(cfg)]
 
 
-def _unet_config(cfg) -> dict | None:
+def _unet_config(cfg: Config) -> dict | None:
     """The UNet's config: the preset's when one is built, else the model's own files (None if not found)."""
     found = model_facts.configs(cfg)
     return found[0] if found else None
 
 
-def _model(cfg, unet: dict | None) -> str:
+def _model(cfg: Config, unet: dict | None) -> str:
     m = cfg.model
     if m.build_preset:
         return f"model: a random-init {m.build_preset} preset built at {m.pretrained} (the demo's; real weights need " \
@@ -55,7 +60,7 @@ def _model(cfg, unet: dict | None) -> str:
     return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
 
 
-def _training(cfg) -> str:
+def _training(cfg: Config) -> str:
     t = cfg.train
     what = f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the UNet" if t.mode == "lora" else \
         "full fine-tune of the UNet"
@@ -67,13 +72,13 @@ def _training(cfg) -> str:
     return f"training: {what}; " + "; ".join(extra)
 
 
-def _images(cfg) -> str:
+def _images(cfg: Config) -> str:
     b = cfg.prepare.buckets
     return (f"images: buckets of about {b.resolution} px (sides multiples of {b.step}, aspect up to {b.max_aspect}); "
             f"latents {cfg.latents.dtype}; mixed precision {cfg.train.mixed_precision}")
 
 
-def _processes(cfg) -> tuple[int, int]:
+def _processes(cfg: Config) -> tuple[int, int]:
     """(GPUs this machine shows, training processes)."""
     from sdpipe.parallel import detect_gpu_count
 
@@ -82,7 +87,7 @@ def _processes(cfg) -> tuple[int, int]:
     return gpus, (max(1, gpus) if wanted == "auto" else int(wanted))
 
 
-def _training_images(cfg) -> int | None:
+def _training_images(cfg: Config) -> int | None:
     """Images in data.raw_dir less the held-out share (sidecar captions aside); None without the folder."""
     from sdpipe.stages.prepare import scan
 
@@ -92,7 +97,7 @@ def _training_images(cfg) -> int | None:
     return round(len(scan(raw, cfg.data.caption_extensions)[0]) * (1 - cfg.prepare.eval_fraction))
 
 
-def _schedule(cfg) -> str:
+def _schedule(cfg: Config) -> str:
     t = cfg.train
     gpus, procs = _processes(cfg)
     batch = procs * t.per_device_batch_size * t.grad_accum_steps
@@ -115,7 +120,7 @@ def memory_gb(family: str, unet_params: int, mode: str, per_device_batch: int, r
     return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
 
 
-def _memory(cfg, unet: dict | None) -> str:
+def _memory(cfg: Config, unet: dict | None) -> str:
     if unet is None:
         return "memory per GPU: unknown (the UNet's config is not found)"
     from accelerate import init_empty_weights
@@ -130,7 +135,7 @@ def _memory(cfg, unet: dict | None) -> str:
             f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)")
 
 
-def _outputs(cfg) -> str:
+def _outputs(cfg: Config) -> str:
     from sdpipe.export.names import for_config
 
     exported = for_config(cfg).files()

@@ -16,6 +16,11 @@ import yaml
 from sdpipe import templates
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 SOURCE_CHECKOUT = Path(__file__).resolve().parent.parent  # a clone of sdpipe (an editable install), if it is one
 MAX_PROMPTS = 4
 
@@ -105,7 +110,7 @@ def _absolute(name: str) -> str:
     return str(Path(name).expanduser().resolve()) if weights.is_local(name) else name
 
 
-def _model_family(cfg) -> str | None:
+def _model_family(cfg: Config) -> str | None:
     """The base model's family from its config files, or a single file's keys; None where it is not here yet."""
     from sdpipe import model_facts, single_file
 
@@ -115,7 +120,7 @@ def _model_family(cfg) -> str | None:
     return model_facts.family(found[0]) if found else None
 
 
-def _check_family(template: str, cfg) -> None:
+def _check_family(template: str, cfg: Config) -> None:
     family = _model_family(cfg)
     if family and family != templates.family(template):
         kind = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[family]

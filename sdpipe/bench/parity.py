@@ -16,6 +16,11 @@ import torch
 
 from sdpipe.bench import baseline
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 LOSS_RTOL = 2e-2  # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4 %); a mean over a batch drifts more
 WEIGHT_FACTOR = 2.0
 
@@ -28,7 +33,7 @@ def _config(pretrained: str, lr: float):
                                        "snr_gamma": None, "input_perturbation": 0.0, "caption_dropout": 0.0}})
 
 
-def _draws(preset: str, resolution: int, batch: int, steps: int, cfg, device) -> list[dict]:
+def _draws(preset: str, resolution: int, batch: int, steps: int, cfg: Config, device) -> list[dict]:
     from sdpipe.models import presets
     from sdpipe.train import objective
 
@@ -41,14 +46,14 @@ def _draws(preset: str, resolution: int, batch: int, steps: int, cfg, device) ->
     return out
 
 
-def _baseline_run(unet, cfg, data, draws, scheduler, mixed: bool) -> list[float]:
+def _baseline_run(unet, cfg: Config, data, draws, scheduler, mixed: bool) -> list[float]:
     t = cfg.train
     opt = torch.optim.AdamW(unet.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                             weight_decay=t.adam_weight_decay, eps=t.adam_epsilon, foreach=True)
     return [float(baseline.step(unet, opt, scheduler, data, d["noise"], d["timesteps"], mixed)) for d in draws]
 
 
-def _sdpipe_run(unet, cfg, data, draws, scheduler, device) -> list[float]:
+def _sdpipe_run(unet, cfg: Config, data, draws, scheduler, device) -> list[float]:
     from sdpipe.train import objective
     from sdpipe.train.models import build_optimizer, prepare_for_gpu_compile, training_forward
 

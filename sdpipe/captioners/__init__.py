@@ -19,6 +19,11 @@ from typing import Callable
 from sdpipe import io
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 FREE_SOURCES = ("sidecar", "template")
 MODEL_SOURCES = ("blip", "clip_tags")
 
@@ -39,7 +44,7 @@ def _module(source: str):
     return importlib.import_module(f"sdpipe.captioners.{source}")
 
 
-def describe(cfg, source: str, memo_file: str | Path | None) -> ModelSpec:
+def describe(cfg: Config, source: str, memo_file: str | Path | None) -> ModelSpec:
     return _module(source).describe(cfg, memo_file)
 
 

@@ -14,6 +14,11 @@ from sdpipe import weights
 from sdpipe.captioners import CaptionFn, ModelSpec
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 # Files besides the weights that change the output: image preprocessing and the tokenizer that decodes it.
 
 
@@ -30,7 +35,7 @@ def _check_folder(name: str, local: Path) -> None:
                         "use a BLIP captioning model such as Salesforce/blip-image-captioning-base")
 
 
-def describe(cfg, memo_file) -> ModelSpec:
+def describe(cfg: Config, memo_file) -> ModelSpec:
     b = cfg.caption.blip
     local = weights.resolve(b.model)
     _check_folder(b.model, local)

@@ -16,6 +16,11 @@ from sdpipe import hashing, weights
 from sdpipe.captioners import CaptionFn, ModelSpec
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 HUB_WEIGHT_NAMES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 KEY = "caption.clip_tags"
 
@@ -118,7 +123,7 @@ def locate(c) -> tuple[str, Path, dict, str | None]:
     return c.model, checkpoint, preprocess, None
 
 
-def describe(cfg, memo_file) -> ModelSpec:
+def describe(cfg: Config, memo_file) -> ModelSpec:
     import dataclasses
 
     c = cfg.caption.clip_tags

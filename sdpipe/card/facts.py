@@ -14,6 +14,11 @@ from pathlib import Path
 from sdpipe import io
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 # Licenses of base models we know; a fine-tune of an OpenRAIL model carries its use restrictions on. Anything
 # else is "other", and the card asks the user to set it before publishing.
@@ -54,7 +59,7 @@ def instance_prompt(manifest: Path, captions: Path) -> tuple[str, int, int] | No
     return prompt, n, len(instance)
 
 
-def gather(cfg, inputs: dict[str, Path]) -> dict:
+def gather(cfg: Config, inputs: dict[str, Path]) -> dict:
     export = required(inputs["export"], "export")
     metrics = required(inputs["metrics"], "evaluate")
     t = cfg.train

@@ -14,10 +14,15 @@ from pathlib import Path
 
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 KEY = "export.hub"
 
 
-def token(cfg) -> str:
+def token(cfg: Config) -> str:
     name = cfg.export.hub.token_env
     value = os.environ.get(name, "").strip()
     if not value:
@@ -42,7 +47,7 @@ def staged(folder: Path, card: Path | None, stage: Path) -> Path:
     return stage
 
 
-def upload(cfg, folder: str | Path, card: str | Path | None = None) -> str:
+def upload(cfg: Config, folder: str | Path, card: str | Path | None = None) -> str:
     """Create export.hub.repo_id if needed and upload `folder` (with the model card in `card`, when there is one)
     to it in one commit; the commit URL."""
     import tempfile

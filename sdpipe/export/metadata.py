@@ -11,6 +11,11 @@ from pathlib import Path
 
 from sdpipe import io
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 # kohya's ss_base_model_version -> the model spec's architecture and reference implementation
 SPECS = {
     "sd_v1": ("stable-diffusion-v1", "https://github.com/CompVis/stable-diffusion"),
@@ -29,7 +34,7 @@ def base_version(model: Path, family: str) -> str:
     return "sd_v2" if unet.get("cross_attention_dim") == 1024 else "sd_v1"
 
 
-def file_metadata(cfg, info: dict, model: Path, adapter: dict | None = None) -> dict[str, str]:
+def file_metadata(cfg: Config, info: dict, model: Path, adapter: dict | None = None) -> dict[str, str]:
     """Metadata for an exported single file, or for a LoRA when `adapter` is its UNet's peft adapter config (rank and
     alpha as trained); `info` is the trained run's final.json, `model` the exported diffusers folder."""
     lora = adapter is not None

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"  # diffusers' save_lora_weights / load_lora_weights default
 
 
@@ -49,11 +54,11 @@ def export_files(name: str | None, single_file: bool, lora: bool) -> ExportFiles
                        lora_kohya=f"{name + '_' if name else ''}lora_kohya.safetensors" if lora else None)
 
 
-def trains_lora(cfg) -> bool:
+def trains_lora(cfg: Config) -> bool:
     t = cfg.train
     return t.mode == "lora" or t.text_encoder.mode == "lora"
 
 
-def for_config(cfg) -> ExportFiles:
+def for_config(cfg: Config) -> ExportFiles:
     """The files this config's export writes."""
     return export_files(cfg.export.name, cfg.export.single_file, trains_lora(cfg))

@@ -13,6 +13,11 @@ from sdpipe.report import grids, plots, sources
 from sdpipe.report.document import Cell, Figure, Note, Section, Table, fmt, kv_table, missing
 from sdpipe.report.sources import Sources
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 TRAIN_KEYS = ["mode", "device", "mixed_precision", "world_size", "per_device_batch_size", "grad_accum_steps",
               "global_batch_size", "optimizer_steps", "epochs", "samples_seen", "peak_memory_mb", "compile",
               "samples_per_s", "warmup_s", "compile_s", "time_to_first_step_s", "validation_and_checkpoint_s",
@@ -51,7 +56,7 @@ def throughput(src: Sources, assets: Path) -> Section:
     return section
 
 
-def samples(src: Sources, cfg, assets: Path) -> Section:
+def samples(src: Sources, cfg: Config, assets: Path) -> Section:
     section = Section("Samples")
     v = cfg.train.validation
     if "samples_dir" in src.missing or not src.data["samples_dir"]:
@@ -81,7 +86,7 @@ def eval_layout(prompts: list[dict]) -> tuple[list[str], list] | None:
     return rows, seeds
 
 
-def _eval_grid(src: Sources, cfg, assets: Path):
+def _eval_grid(src: Sources, cfg: Config, assets: Path):
     if "eval_grid" in src.missing:
         return missing("evaluation images", src.missing["eval_grid"])
     out, caption = assets / "eval_grid.png", "evaluation images"

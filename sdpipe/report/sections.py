@@ -10,6 +10,11 @@ from sdpipe.report import sources
 from sdpipe.report.document import Cell, Note, Section, Table, fmt, is_timing, kv_table, label, missing
 from sdpipe.report.sources import Sources
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 KNOWN_METRICS = ("fid", "clip_score", "colour_accuracy")
 KNOWN_SCALARS = ("train_samples_per_s", "train_warmup_s", "train_compile_s", "train_time_to_first_step_s",
                  "inference_samples_per_s", "inference_load_s", "inference_warmup_s")
@@ -27,7 +32,7 @@ def timings_of(src: Sources) -> frozenset[str]:
     return frozenset(src.data["metrics"].get("timings") or [])
 
 
-def provenance(src: Sources, cfg, generated: str) -> Section:
+def provenance(src: Sources, cfg: Config, generated: str) -> Section:
     prov = src.data["metrics"].get("provenance") or {}
     commit, origin = sources.git_commit(prov.get("git_commit"))
     dirty = ", with uncommitted changes" if prov.get("git_dirty") else ""
@@ -48,7 +53,7 @@ def _dataset(src: Sources) -> str:
     return f"{sources.dataset_hash(rows)} (sorted image ids of {len(rows)} images in {src.paths['manifest']})"
 
 
-def _dvc(cfg) -> str:
+def _dvc(cfg: Config) -> str:
     md5 = sources.dvc_md5(cfg.data.raw_dir)
     where = f"{cfg.data.raw_dir.rstrip('/')}.dvc"
     if md5:
@@ -63,7 +68,7 @@ def _gpu(gpu, device) -> str:
     return f"{gpu['name']} × {fmt(gpu.get('count'))}, driver {fmt(gpu.get('driver'))}{cuda}"
 
 
-def _seeds(seeds, cfg) -> str:
+def _seeds(seeds, cfg: Config) -> str:
     seeds = seeds or {"seed": cfg.seed, "validation": cfg.train.validation.seeds}
     return "; ".join(f"{k}: {fmt(v)}" for k, v in sorted(seeds.items()))
 

@@ -1,9 +1,16 @@
 """Pipeline stages: each module defines INPUTS, OUTPUTS and run(cfg, inputs, outputs), called by `sdpipe <stage>`."""
 
+from __future__ import annotations
+
 from pathlib import Path
 
 from sdpipe import io
 from sdpipe.errors import UserError
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
 
 
 def read_upstream(path: str | Path, made_by: str) -> list[dict]:
@@ -13,7 +20,7 @@ def read_upstream(path: str | Path, made_by: str) -> list[dict]:
     return io.read_jsonl(path)
 
 
-def image_file(cfg, row: dict) -> str:
+def image_file(cfg: Config, row: dict) -> str:
     """Where a manifest row's image is. An instance image is under data.raw_dir as this job sees it: a storage
     provider (S3 on Kubernetes) hands each job its own local copy of the raw folder, so the path prepare saw may not
     exist here. A class image lives outside raw_dir, at its own path."""

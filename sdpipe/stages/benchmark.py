@@ -14,12 +14,17 @@ from pathlib import Path
 from sdpipe import config, io
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
 OUTPUTS = {"out": "results/benchmark", "scaling": "results/benchmark/scaling.json"}
 
 
-def settings_for(cfg, gpus: int) -> list[str]:
+def settings_for(cfg: Config, gpus: int) -> list[str]:
     b = cfg.benchmark
     return [f"train.num_processes={gpus}", f"train.max_steps={b.warmup_steps + b.steps}", "train.resume=null",
             "train.lr_warmup_steps=0", "train.log_every=1", f"train.checkpoint_every={10**9}",
@@ -48,7 +53,7 @@ def scaling_table(results: dict[int, float]) -> list[dict]:
              "efficiency": round((s / n) / per_gpu_base, 4)} for n, s in sorted(results.items())]
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     from sdpipe.stages import train
 
     counts = cfg.benchmark.gpu_counts

@@ -17,6 +17,11 @@ from pathlib import Path
 from sdpipe import hashing, io, parallel
 from sdpipe.stages import image_file, read_upstream
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when a captioner's output changes for the same inputs, so old entries are not reused
 INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
@@ -38,12 +43,12 @@ class Item:
             self.caption, self.source, self.provenance = caption, source, provenance
 
 
-def caption_devices(cfg) -> list[str]:
+def caption_devices(cfg: Config) -> list[str]:
     """Devices for model captioning (a seam: tests force several CPU workers here)."""
     return parallel.devices_for(parallel.resolve_gpus(cfg.caption.gpus), 1)
 
 
-def _free_step(cfg, source: str, items: list[Item], root: Path) -> None:
+def _free_step(cfg: Config, source: str, items: list[Item], root: Path) -> None:
     from sdpipe.captioners import free, read_cache, write_cache
 
     for item in items:
@@ -57,7 +62,7 @@ def _free_step(cfg, source: str, items: list[Item], root: Path) -> None:
         item.accept(source, proposal.caption, proposal.provenance)
 
 
-def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]) -> list[str]:
+def _model_step(cfg: Config, source: str, items: list[Item], root: Path, used: list[str]) -> list[str]:
     """Look every item up; caption the misses on the caption devices. Return the devices used (or `used`)."""
     from sdpipe import captioners
 
@@ -90,7 +95,7 @@ def _model_step(cfg, source: str, items: list[Item], root: Path, used: list[str]
     return devices
 
 
-def caption_items(cfg, rows: list[dict]) -> tuple[list[Item], list[str]]:
+def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]:
     """Walk the chain for every row; return the items and the devices model captioning used."""
     from sdpipe.captioners import FREE_SOURCES, free
 
@@ -118,7 +123,7 @@ def _output_row(item: Item) -> dict:
             "source": item.source, "provenance": item.provenance, "error": error}
 
 
-def _summary(cfg, items: list[Item], devices: list[str], seconds: float) -> dict:
+def _summary(cfg: Config, items: list[Item], devices: list[str], seconds: float) -> dict:
     failed = sum(item.caption is None for item in items)
     captioned = sum(item.caption is not None and item.computed for item in items)
     return {
@@ -129,7 +134,7 @@ def _summary(cfg, items: list[Item], devices: list[str], seconds: float) -> dict
     }
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = read_upstream(inputs["manifest"], "prepare")
     start = time.perf_counter()
     items, devices = caption_items(cfg, rows)

@@ -14,6 +14,11 @@ from pathlib import Path
 
 from sdpipe import io
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"prepare": "results/prepare/summary.json", "manifest": "results/prepare/manifest.jsonl",
           "captions": "results/captions/captions.jsonl", "train_summary": "results/train/summary.json",
@@ -34,7 +39,7 @@ def copy_grid(source: Path, dest: Path) -> bool:
     return True
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> str:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> str:
     from sdpipe.card import body, facts, front_matter
 
     known = facts.gather(cfg, {k: Path(v) for k, v in inputs.items()})

@@ -15,6 +15,11 @@ from pathlib import Path
 from sdpipe import hashing, io, parallel, weights
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS: dict[str, str] = {}
 OUTPUTS = {"images": "results/class_images/images", "summary": "results/class_images/summary.json"}
@@ -22,7 +27,7 @@ NAME = re.compile(r"(\d{5})-([0-9a-f]{12})\.png")
 VERSION = 1
 
 
-def _settings(cfg, device_kind: str) -> dict:
+def _settings(cfg: Config, device_kind: str) -> dict:
     d = cfg.dreambooth
     height, width = d.resolution or [cfg.prepare.buckets.resolution] * 2
     # The resolved folder, not the name: a spawned worker has no config loaded to convert a single file with.
@@ -32,12 +37,12 @@ def _settings(cfg, device_kind: str) -> dict:
             "batch_size": d.batch_size, "half_on_gpu": device_kind == "cuda"}
 
 
-def _key(cfg, settings: dict, base_sha: str, index: int) -> str:
+def _key(cfg: Config, settings: dict, base_sha: str, index: int) -> str:
     pixels = {k: settings[k] for k in ("height", "width", "steps", "guidance", "variant", "half_on_gpu")}
     return hashing.key_of("class", VERSION, base_sha, cfg.dreambooth.class_prompt, cfg.seed, index, pixels)[:12]
 
 
-def plan(cfg, folder: Path, settings: dict, base_sha: str) -> tuple[list[dict], list[Path]]:
+def plan(cfg: Config, folder: Path, settings: dict, base_sha: str) -> tuple[list[dict], list[Path]]:
     """(jobs for missing images, stale files to delete); a file's key says whether it is still wanted."""
     wanted = {f"{i:05d}-{_key(cfg, settings, base_sha, i)}.png": i for i in range(cfg.dreambooth.num_class_images)}
     have = {p.name for p in folder.glob("*.png")} if folder.is_dir() else set()
@@ -53,12 +58,12 @@ def _seed(seed: int, index: int) -> int:
     return int(hashing.key_of("class-seed", seed, index)[:8], 16)
 
 
-def class_devices(cfg) -> list[str]:
+def class_devices(cfg: Config) -> list[str]:
     """Devices to generate on (a seam: tests force several CPU workers here)."""
     return parallel.devices_for(parallel.resolve_gpus(cfg.dreambooth.gpus))
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     d = cfg.dreambooth
     if not d.enabled:
         raise UserError("dreambooth.enabled is false; class images are only generated for DreamBooth runs")

@@ -16,6 +16,11 @@ from sdpipe import io, parallel
 from sdpipe.errors import UserError
 from sdpipe.stages import image_file, read_upstream
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"model": "results/export/diffusers", "manifest": "results/prepare/manifest.jsonl",
           "train_summary": "results/train/summary.json", "scaling": "results/benchmark/scaling.json"}
@@ -28,18 +33,18 @@ TIMINGS = ["train_samples_per_s", "train_warmup_s", "train_compile_s", "train_ti
 COMPILE_FROM_IMAGES = 1200
 
 
-def jobs_for(cfg, folder: Path) -> list[dict]:
+def jobs_for(cfg: Config, folder: Path) -> list[dict]:
     """One image per (prompt, seed): the grid's row is the prompt, its column the seed."""
     e = cfg.evaluate
     return [{"index": p * len(e.seeds) + s, "prompt": prompt, "seed": seed, "file": str(folder / f"{p:03d}-{s:02d}.png")}
             for p, prompt in enumerate(e.prompts) for s, seed in enumerate(e.seeds)]
 
 
-def real_images(cfg, manifest: Path) -> list[dict]:
+def real_images(cfg: Config, manifest: Path) -> list[dict]:
     return [r for r in read_upstream(manifest, "prepare") if r["split"] == "eval" and r.get("role") != "class"]
 
 
-def preflight(cfg, inputs: dict, n_fake: int) -> list[dict]:
+def preflight(cfg: Config, inputs: dict, n_fake: int) -> list[dict]:
     """Everything that can be wrong, before any image is rendered; return the eval split's rows."""
     from sdpipe.evaluate.fid import check_fid_split
 
@@ -52,7 +57,7 @@ def preflight(cfg, inputs: dict, n_fake: int) -> list[dict]:
     return rows
 
 
-def render(cfg, model: Path, folder: Path) -> tuple[list[dict], dict]:
+def render(cfg: Config, model: Path, folder: Path) -> tuple[list[dict], dict]:
     if folder.exists():
         shutil.rmtree(folder)  # a rerun renders everything again: no image of an older model may remain
     folder.mkdir(parents=True)
@@ -85,12 +90,12 @@ def sampling_compile(mode: str, on_gpu: bool, images_per_device: float) -> str:
     return mode if on_gpu else "eager"
 
 
-def eval_devices(cfg) -> list[str]:
+def eval_devices(cfg: Config) -> list[str]:
     """Devices to render on (a seam: tests force several CPU workers here)."""
     return parallel.devices_for(parallel.resolve_gpus(cfg.evaluate.gpus))
 
 
-def quality(cfg, images: list, prompts: list[str], real_rows: list[dict], device: str) -> dict:
+def quality(cfg: Config, images: list, prompts: list[str], real_rows: list[dict], device: str) -> dict:
     from sdpipe.evaluate import clip_score, fid, unavailable
     from sdpipe.images import load_rgb
 
@@ -120,7 +125,7 @@ def colour_accuracy(images: list, prompts: list[str]) -> dict:
     return measured(accuracy(images, prompts), n=len(images))
 
 
-def provenance(cfg) -> dict:
+def provenance(cfg: Config) -> dict:
     from sdpipe.provenance import git_state, gpu_facts, package_versions
 
     commit, dirty = git_state()
@@ -128,7 +133,7 @@ def provenance(cfg) -> dict:
             "seeds": {"seed": cfg.seed, "evaluate.seeds": list(cfg.evaluate.seeds)}}
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     from PIL import Image
 
     n_fake = len(cfg.evaluate.prompts) * len(cfg.evaluate.seeds)
@@ -159,7 +164,7 @@ def _show(result: dict) -> str:
     return f"{result['value']:.4g}" if result["value"] is not None else f"null ({result['reason']})"
 
 
-def write_grid(images: list, jobs: list[dict], cfg, folder: Path) -> None:
+def write_grid(images: list, jobs: list[dict], cfg: Config, folder: Path) -> None:
     """grid.png (rows = prompts, columns = seeds) and prompts.json, for the report."""
     from sdpipe.train.validation import grid
 

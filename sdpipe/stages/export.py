@@ -23,6 +23,11 @@ from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.models import loading
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"final": "results/train/final"}
 OUTPUTS = {"out": "results/export", "summary": "results/export/summary.json"}
@@ -30,7 +35,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_VERIFY_SIDE = 512  # export.verify.resolution: null renders at the training resolution, at most this
 
 
-def trained_source(cfg, final: Path) -> tuple[Path, dict]:
+def trained_source(cfg: Config, final: Path) -> tuple[Path, dict]:
     """The folder of trained weights to export (final/ or final/ema/) and what it holds."""
     if not (final / "final.json").is_file():
         raise UserError(f"no trained model at {final}; run `snakemake train` first")
@@ -41,7 +46,7 @@ def trained_source(cfg, final: Path) -> tuple[Path, dict]:
     return (final / "ema" if cfg.export.ema else final), info
 
 
-def verify_device(cfg) -> tuple[str, torch.dtype]:
+def verify_device(cfg: Config) -> tuple[str, torch.dtype]:
     """Where verification renders, in which precision (export.verify.device)."""
     if cfg.export.verify.device == "auto" and torch.cuda.is_available():
         return "cuda:0", torch.float16
@@ -65,7 +70,7 @@ def release(*pipes) -> None:
         torch.cuda.empty_cache()
 
 
-def trained_pipeline(cfg, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32,
+def trained_pipeline(cfg: Config, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32,
                      device: str = "cpu"):
     """The base pipeline with the trained components: full ones replace the base's, LoRA ones are loaded as
     adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
@@ -90,14 +95,14 @@ def trained_pipeline(cfg, source: Path, components: dict, fuse: bool, dtype: tor
     return pipe
 
 
-def _text_class(cfg, name: str):
+def _text_class(cfg: Config, name: str):
     import transformers
 
     _, index = loading.model_index(cfg.model.pretrained, cfg.model.revision)
     return getattr(transformers, index[name][1])
 
 
-def render(cfg, pipe) -> np.ndarray:
+def render(cfg: Config, pipe) -> np.ndarray:
     """The verification image: one prompt, one seed, CPU generator, as uint8 RGB."""
     v = cfg.export.verify
     size = v.resolution or [min(cfg.prepare.buckets.resolution, MAX_VERIFY_SIDE)] * 2
@@ -106,7 +111,7 @@ def render(cfg, pipe) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def render_once(cfg, pipe) -> np.ndarray:
+def render_once(cfg: Config, pipe) -> np.ndarray:
     """render(), then the pipeline's memory is freed."""
     try:
         return render(cfg, pipe)
@@ -136,7 +141,7 @@ def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: floa
             "verified": mean <= tolerance, "image": str(path)}
 
 
-def export_diffusers(cfg, pipe, folder: Path, dtype: str) -> Path:
+def export_diffusers(cfg: Config, pipe, folder: Path, dtype: str) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     with io.atomic_dir(folder) as tmp:
@@ -145,7 +150,7 @@ def export_diffusers(cfg, pipe, folder: Path, dtype: str) -> Path:
     return folder
 
 
-def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dict:
+def verify_diffusers(cfg: Config, folder: Path, reference: np.ndarray, out: Path) -> dict:
     from sdpipe.models.pipeline import load_pipeline
 
     device, dtype = verify_device(cfg)
@@ -155,7 +160,7 @@ def verify_diffusers(cfg, folder: Path, reference: np.ndarray, out: Path) -> dic
                    path=str(folder), loader=loader)
 
 
-def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dict, files) -> dict:
+def export_single(cfg: Config, folder: Path, reference: np.ndarray, out: Path, info: dict, files) -> dict:
     from sdpipe.export.metadata import file_metadata
     from sdpipe.export.single_file import export_single_file, load_single_file
 
@@ -170,7 +175,7 @@ def export_single(cfg, folder: Path, reference: np.ndarray, out: Path, info: dic
                    path=str(path), loader=loader)
 
 
-def export_loras(cfg, source: Path, reference: np.ndarray, out: Path, metadata: dict, files) -> dict:
+def export_loras(cfg: Config, source: Path, reference: np.ndarray, out: Path, metadata: dict, files) -> dict:
     """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each with `metadata` for
     other tools and each loaded into a fresh base pipeline with load_lora_weights, as the card tells users to."""
     from sdpipe.export.lora import LORA_FILE, export_kohya
@@ -204,7 +209,7 @@ def remove_stale(out: Path, files) -> None:
             path.unlink()
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     from sdpipe.export.metadata import base_version
     from sdpipe.export.names import export_files
 

@@ -18,13 +18,18 @@ from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
 from sdpipe.stages import image_file, read_upstream
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
-def describe_model(cfg) -> dict:
+def describe_model(cfg: Config) -> dict:
     """Family, weight hashes and VAE facts, read from config files and weight hashes (no model is loaded)."""
     from diffusers import AutoencoderKL
 
@@ -66,7 +71,7 @@ def _text_key(caption: str, model: dict, dtype: str) -> str:
     return hashing.key_of("text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"])
 
 
-def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
+def plan(cfg: Config, rows: list[dict], captions: dict[str, dict], model: dict):
     """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in."""
     lat = cfg.latents
     items, images, texts, failed = [], {}, {}, []
@@ -101,7 +106,7 @@ def plan(cfg, rows: list[dict], captions: dict[str, dict], model: dict):
     return items, list(images.values()), list(texts.values()), failed
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
@@ -139,7 +144,7 @@ def _steady_rate(results: list[dict]) -> float | None:
     return round(sum(rates), 3) if rates else None
 
 
-def _worker_settings(cfg, root: Path, processes: int) -> dict:
+def _worker_settings(cfg: Config, root: Path, processes: int) -> dict:
     threads = cfg.latents.loader_threads or max(1, (os.cpu_count() or 1) // processes)
     from sdpipe import weights
 
@@ -150,7 +155,7 @@ def _worker_settings(cfg, root: Path, processes: int) -> dict:
             "loader_threads": threads, "compile": cfg.latents.compile}
 
 
-def _finish(cfg, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
+def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
     bad_paths = {f["path"] for f in failed}
     present = lambda it: (it["latent_key"] in wheres["image"] and it["text_key"] in wheres["text"]
                           and (it["flip_key"] is None or it["flip_key"] in wheres["image"]))

@@ -22,6 +22,11 @@ from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.stages.prepare_decode import inspect_all
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 # Read only when dreambooth.enabled: the class images folder the class_images rule writes.
 INPUTS = {"class_images": "results/class_images/images"}
@@ -98,7 +103,7 @@ def read_sidecar(path: Path) -> tuple[str | None, str | None]:
 
 # --- validation parameters --------------------------------------------------------------------------------------
 
-def validation_params(cfg) -> dict:
+def validation_params(cfg: Config) -> dict:
     """Everything that decides a decode result; part of the cache key."""
     p = cfg.prepare
     return {"min_size": p.min_size, "max_pixels": p.max_pixels, "alpha_background": list(p.alpha_background)}
@@ -140,7 +145,7 @@ class Outcome:
     reused: int = 0
 
 
-def collect(cfg, raw: Path, rels: list[str], results: list[dict], sidecar_of: dict[str, str]) -> Outcome:
+def collect(cfg: Config, raw: Path, rels: list[str], results: list[dict], sidecar_of: dict[str, str]) -> Outcome:
     """Turn per-file results into manifest rows, rejections and duplicates (the first path by sort order wins)."""
     from sdpipe.buckets import make_buckets
 
@@ -160,7 +165,7 @@ def collect(cfg, raw: Path, rels: list[str], results: list[dict], sidecar_of: di
     return out
 
 
-def _row(cfg, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome) -> dict:
+def _row(cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome) -> dict:
     from sdpipe.buckets import assign_bucket
 
     text = None
@@ -204,7 +209,7 @@ def sidecar_warnings(sidecars: list[str], sidecar_of: dict[str, str], out: Outco
 
 # --- the stage ---------------------------------------------------------------------------------------------------
 
-def _candidates(cfg) -> tuple[Path, list[str], list[str]]:
+def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
     raw = Path(cfg.data.raw_dir)
     hint = f"put images there or run `sdpipe demo --out {cfg.data.raw_dir}`"
     if not raw.exists():
@@ -222,7 +227,7 @@ def _candidates(cfg) -> tuple[Path, list[str], list[str]]:
     return raw, images, sidecars
 
 
-def _check_usable(cfg, out: Outcome, n_images: int) -> None:
+def _check_usable(cfg: Config, out: Outcome, n_images: int) -> None:
     if not out.rows:
         first = out.rejected[0]
         raise UserError(f"data.raw_dir: none of the {n_images} image files in {cfg.data.raw_dir} is usable "
@@ -232,7 +237,7 @@ def _check_usable(cfg, out: Outcome, n_images: int) -> None:
                         "the eval split; lower it or add images")
 
 
-def summarize(cfg, out: Outcome, scanned: int, params: dict) -> dict:
+def summarize(cfg: Config, out: Outcome, scanned: int, params: dict) -> dict:
     splits = Counter(r["split"] for r in out.rows)
     return {"raw_dir": cfg.data.raw_dir, "scanned": scanned, "accepted": len(out.rows),
             "rejected": len(out.rejected), "decoded": out.decoded, "reused": out.reused,
@@ -261,7 +266,7 @@ def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
              manifest)
 
 
-def class_rows(cfg, folder: Path, instance_samples: int) -> tuple[list[dict], Outcome]:
+def class_rows(cfg: Config, folder: Path, instance_samples: int) -> tuple[list[dict], Outcome]:
     """DreamBooth class images: always trained on, captioned by their sidecar (the class prompt), and repeated so
     that an epoch holds about as many class samples as instance samples (kohya's regularisation-image balance)."""
     if not folder.is_dir():
@@ -277,7 +282,7 @@ def class_rows(cfg, folder: Path, instance_samples: int) -> tuple[list[dict], Ou
     return out.rows, out
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     raw, images, sidecars = _candidates(cfg)
     params = validation_params(cfg)
     workers = cfg.prepare.workers or os.cpu_count() or 1

@@ -19,6 +19,11 @@ from pathlib import Path
 
 from sdpipe import io
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {
     # Not "config": the CLI's --config flag is taken (it loads the config the grid labels come from).
@@ -46,7 +51,7 @@ def generated_at() -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def build(cfg, src, assets: Path) -> list:
+def build(cfg: Config, src, assets: Path) -> list:
     """All sections, in reading order; figures are written into `assets` on the way."""
     from sdpipe.report import figures, sections
 
@@ -61,7 +66,7 @@ def _link(assets: Path, document: Path) -> str:
     return urllib.parse.quote(Path(rel).as_posix())
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     # Imported here: jinja2 and matplotlib stay out of every other `sdpipe` command's start-up.
     from sdpipe.report import render, sources
 

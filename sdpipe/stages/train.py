@@ -20,18 +20,23 @@ from sdpipe.errors import UserError
 from sdpipe.train import lifeline
 from sdpipe.train.models import MIXED
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
 OUTPUTS = {"summary": "results/train/summary.json", "out": "results/train"}
 
 
-def topology(cfg):
+def topology(cfg: Config):
     from sdpipe.cluster import topology as from_env
 
     return from_env(cfg.train.multi_node, dict(os.environ))
 
 
-def num_processes(cfg) -> int:
+def num_processes(cfg: Config) -> int:
     """train.num_processes, or "auto": every visible GPU (1 on a CPU) on each of the job's machines."""
     from sdpipe.parallel import detect_gpu_count
 
@@ -39,7 +44,7 @@ def num_processes(cfg) -> int:
     return max(1, detect_gpu_count()) * topology(cfg).num_machines if n == "auto" else int(n)
 
 
-def preflight(cfg, index: Path, out: Path, world: int) -> None:
+def preflight(cfg: Config, index: Path, out: Path, world: int) -> None:
     from sdpipe.train import accounting, checkpoint
     from sdpipe.train.data import LatentData
     from sdpipe.train.loop import checkpoint_dir, model_id
@@ -65,7 +70,7 @@ def preflight(cfg, index: Path, out: Path, world: int) -> None:
     log.info("preflight ok: %d optimizer steps, global batch %d", plan.total_optimizer_steps, plan.global_batch_size)
 
 
-def _check_topology(cfg, world: int) -> None:
+def _check_topology(cfg: Config, world: int) -> None:
     """Process counts that accelerate would only reject (or hang on) after launch."""
     from sdpipe.parallel import detect_gpu_count
 
@@ -81,7 +86,7 @@ def _check_topology(cfg, world: int) -> None:
                         f"{gpus} are visible")
 
 
-def _check_lora_targets(cfg) -> None:
+def _check_lora_targets(cfg: Config) -> None:
     """Build the UNet on the meta device (no weights) just to see its module names."""
     import torch
     from diffusers import UNet2DConditionModel
@@ -95,7 +100,7 @@ def _check_lora_targets(cfg) -> None:
     add_lora(unet, cfg.train.lora)
 
 
-def _check_text_lora_targets(cfg) -> None:
+def _check_text_lora_targets(cfg: Config) -> None:
     import torch
     import transformers
 
@@ -109,7 +114,7 @@ def _check_text_lora_targets(cfg) -> None:
             add_text_lora(getattr(transformers, index[name][1] or "CLIPTextModel")(config), cfg)
 
 
-def launch_command(cfg, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
+def launch_command(cfg: Config, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
     mn = topology(cfg)
     loop = ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
             "--summary", str(summary)]
@@ -143,7 +148,7 @@ def _gpu_ids(local: int) -> str | None:
     return ",".join(ids[:local])
 
 
-def compile_cache_env(cfg) -> dict[str, str]:
+def compile_cache_env(cfg: Config) -> dict[str, str]:
     """torch.compile's caches in the project's cache_dir (on a pod, the volume), unless the environment already
     names them: a second run, or a restarted pod, finds the compiled kernels and starts in seconds."""
     root = Path(cfg.cache_dir).resolve() / "torch-compile"
@@ -151,7 +156,7 @@ def compile_cache_env(cfg) -> dict[str, str]:
     return {k: str(v) for k, v in wanted.items() if not os.environ.get(k)}
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     import time
 
     started = time.time()
@@ -161,7 +166,7 @@ def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
         _train(cfg, inputs, out, summary, started)
 
 
-def _train(cfg, inputs: dict[str, Path], out: Path, summary: Path, started: float) -> None:
+def _train(cfg: Config, inputs: dict[str, Path], out: Path, summary: Path, started: float) -> None:
     world = num_processes(cfg)
     preflight(cfg, Path(inputs["index"]), out, world)
     config_path = out / "config.yaml"  # the resolved config every process reads

@@ -14,12 +14,17 @@ from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.stages import image_file, read_upstream
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
 OUTPUTS = {"out": "results/vae/model", "summary": "results/vae/summary.json"}
 
 
-def run(cfg, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     import torch
 
     from sdpipe import vae_train

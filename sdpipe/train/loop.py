@@ -27,6 +27,11 @@ from sdpipe.train.prefetch import Prefetcher
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry, check_finite
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger("sdpipe.train")
 
 
@@ -74,7 +79,7 @@ OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep
                "tracker", "tracker_project", "validation", "ddp", "save_final")
 
 
-def model_id(cfg, data: LatentData) -> dict:
+def model_id(cfg: Config, data: LatentData) -> dict:
     """What a checkpoint must match to be resumed: the base model's weights and what is being trained."""
     te = cfg.train.text_encoder
     lora = cfg.train.mode == "lora" or te.mode == "lora"
@@ -86,7 +91,7 @@ def model_id(cfg, data: LatentData) -> dict:
             "ema": cfg.train.ema.enabled, "fp16": cfg.train.mixed_precision == "fp16"}
 
 
-def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
+def checkpoint_dir(cfg: Config, out: Path, ident: dict, data: LatentData) -> Path:
     """Checkpoints of one training setup on one dataset: `resume: latest` never continues a run with other
     hyperparameters or other data (a finished run on old data would otherwise be "resumed" and do nothing)."""
     from sdpipe.hashing import key_of
@@ -96,7 +101,7 @@ def checkpoint_dir(cfg, out: Path, ident: dict, data: LatentData) -> Path:
     return out / "checkpoints" / key_of(ident, settings, cfg.seed, samples)[:12]
 
 
-def build(cfg, index: Path, out: Path) -> Run:
+def build(cfg: Config, index: Path, out: Path) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -137,7 +142,7 @@ def build(cfg, index: Path, out: Path) -> Run:
                forward=forward, pad_to=t.per_device_batch_size if forward is not unet else 0)
 
 
-def ddp_kwargs(cfg) -> list:
+def ddp_kwargs(cfg: Config) -> list:
     """accelerate's handlers for DDP and the process group (they apply only when several processes train)."""
     from datetime import timedelta
 

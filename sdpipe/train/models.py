@@ -6,6 +6,11 @@ import torch
 
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 
 
@@ -37,12 +42,12 @@ def add_lora(model, lora_cfg, target_modules: list[str] | None = None, key: str 
         model.peft_config = {"default": config}
 
 
-def add_text_lora(encoder, cfg) -> None:
+def add_text_lora(encoder, cfg: Config) -> None:
     add_lora(encoder, cfg.train.lora, cfg.train.text_encoder.lora_target_modules,
              "train.text_encoder.lora_target_modules", "q_proj, k_proj, v_proj, out_proj")
 
 
-def build_unet(cfg, device):
+def build_unet(cfg: Config, device):
     from sdpipe.models import loading
 
     unet = loading.load_unet(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, dtype=torch.float32,
@@ -64,7 +69,7 @@ def build_unet(cfg, device):
 COMPILE_FROM_SAMPLES = 100_000
 
 
-def resolve_compile(cfg, device, samples_per_process: int):
+def resolve_compile(cfg: Config, device, samples_per_process: int):
     """`cfg` with train.compile: auto decided for this run: the whole UNet compiled on a GPU when the run is long
     enough to repay the compile, else eager."""
     import dataclasses
@@ -78,7 +83,7 @@ def resolve_compile(cfg, device, samples_per_process: int):
     return resolved
 
 
-def compile_mode(cfg, device) -> str:
+def compile_mode(cfg: Config, device) -> str:
     """What `train.compile` means on this device: "whole" (the UNet as one graph), "blocks" (each UNet block
     compiled on its own) or "eager". An undecided `auto` (see resolve_compile) compiles the whole UNet on a GPU and
     nothing on a CPU."""
@@ -88,11 +93,11 @@ def compile_mode(cfg, device) -> str:
     return {"compiled": "whole"}.get(mode, mode)
 
 
-def compiles(cfg, device) -> bool:
+def compiles(cfg: Config, device) -> bool:
     return compile_mode(cfg, device) != "eager"
 
 
-def prepare_for_gpu_compile(cfg, unet, device) -> None:
+def prepare_for_gpu_compile(cfg: Config, unet, device) -> None:
     """When the step is compiled on a GPU, what makes it fast there, measured one by one in benchmarks/NOTES.md:
     the channels-last layers of sdpipe.models.layout, cuDNN's autotuner (the compiled step has one shape per
     bucket, so it tunes once), and the GEGLU without a cat in its backward (+2.2 %, v9)."""
@@ -106,7 +111,7 @@ def prepare_for_gpu_compile(cfg, unet, device) -> None:
     use_split_geglu(unet)
 
 
-def training_forward(cfg, unet, device):
+def training_forward(cfg: Config, unet, device):
     """The callable the training step runs the UNet through. Only the training step is compiled: validation and
     saving use `unet` itself, so sampling triggers no second compile. "whole": a new bucket shape recompiles the
     UNet once, after that shapes are dynamic; "blocks": each block shape compiles once (sdpipe.models.regions)."""
@@ -118,7 +123,7 @@ def training_forward(cfg, unet, device):
     return compile_regions(unet) if mode == "blocks" else unet
 
 
-def build_text_stack(cfg, device):
+def build_text_stack(cfg: Config, device):
     """The text encoder(s) in fp32, trainable (full or LoRA), when train.text_encoder.mode is not none."""
     from sdpipe.models import loading
 
@@ -140,7 +145,7 @@ def build_text_stack(cfg, device):
     return stack
 
 
-def build_optimizer(cfg, unet, text_encoders: list) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, unet, text_encoders: list) -> torch.optim.Optimizer:
     """AdamW over the UNet's trainable weights and, in a group with its own learning rate, the text encoders'.
     Fused on GPUs and CPUs alike: one kernel per parameter group instead of a dozen ops per tensor (on the 2-core
     CPU the demo's tiny step is about 10 % faster)."""
@@ -153,7 +158,7 @@ def build_optimizer(cfg, unet, text_encoders: list) -> torch.optim.Optimizer:
                              weight_decay=t.adam_weight_decay, eps=t.adam_epsilon, fused=True)
 
 
-def build_lr_scheduler(cfg, optimizer, total_steps: int):
+def build_lr_scheduler(cfg: Config, optimizer, total_steps: int):
     """Stepped by the loop once per optimizer step: never passed through accelerator.prepare, whose wrapper
     would step it once per process and end the schedule early on several GPUs (the known trap)."""
     from diffusers.optimization import get_scheduler
@@ -162,7 +167,7 @@ def build_lr_scheduler(cfg, optimizer, total_steps: int):
                          num_training_steps=total_steps)
 
 
-def build_ema(cfg, params: list, accelerator):
+def build_ema(cfg: Config, params: list, accelerator):
     """An EMA of the trained parameters (on their device), checkpointed with the rest; None when disabled."""
     if not cfg.train.ema.enabled:
         return None

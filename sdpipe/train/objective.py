@@ -13,13 +13,18 @@ import hashlib
 import torch
 from diffusers.training_utils import compute_snr
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import TrainConfig
+
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{epoch}:{index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg) -> dict[str, torch.Tensor]:
+def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """Noise [B,C,H,W], timesteps [B] and a caption-dropout mask [B], one generator per sample (on the CPU)."""
     c, h, w = shape
     noise, steps, drop = [], [], []

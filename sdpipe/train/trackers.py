@@ -19,6 +19,11 @@ from urllib.parse import urlparse
 
 from sdpipe.errors import UserError
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
 log = logging.getLogger(__name__)
 INSTALL = {"wandb": "pip install wandb (or pip install 'sdpipe[wandb]')"}
 
@@ -39,7 +44,7 @@ def wandb_logged_in(environ: dict) -> bool:
         return False
 
 
-def environment(cfg, environ: dict, out: Path) -> dict[str, str]:
+def environment(cfg: Config, environ: dict, out: Path) -> dict[str, str]:
     """What the training processes' environment needs for the tracker (run by `sdpipe train` before launching)."""
     if cfg.train.tracker != "wandb":
         return {}
@@ -74,7 +79,7 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def start(accelerator, cfg, out: Path) -> None:
+def start(accelerator, cfg: Config, out: Path) -> None:
     """Start the configured tracker on every rank (accelerate keeps the main process's only)."""
     if cfg.train.tracker == "none":
         return

@@ -12,8 +12,13 @@ from PIL import Image
 from sdpipe import io
 from sdpipe.models.pipeline import load_pipeline
 
+from typing import TYPE_CHECKING
 
-def _generate(cfg, models: dict, device, pairs: list[tuple[int, str, int]], steps: int, guidance: float,
+if TYPE_CHECKING:
+    from sdpipe.config import Config
+
+
+def _generate(cfg: Config, models: dict, device, pairs: list[tuple[int, str, int]], steps: int, guidance: float,
               resolution: tuple[int, int]) -> list[tuple[int, Image.Image]]:
     # The pipeline is only referenced here: its VAE (and any frozen text encoder) go when we return.
     pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device,
@@ -33,7 +38,7 @@ def grid(images: list, rows: int, cols: int) -> Image.Image:
     return grid
 
 
-def render(accelerator, trained: dict, cfg, step: int, out_dir: Path, prompts: list[str], seeds: list[int],
+def render(accelerator, trained: dict, cfg: Config, step: int, out_dir: Path, prompts: list[str], seeds: list[int],
            num_inference_steps: int, guidance_scale: float, resolution: tuple[int, int]) -> Path | None:
     """Render prompts (rows) x seeds (columns) at (height, width) with the models being trained (pipeline component
     name -> wrapped model); the grid's path on rank 0, None elsewhere. Every rank must call it (it gathers)."""
