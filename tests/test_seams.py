@@ -1,0 +1,25 @@
+"""Rules of the codebase's seams (issue 27), checked so they stay true."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sdpipe"
+
+
+def test_every_cfg_parameter_says_its_type():
+    missing = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+               for path in sorted(PACKAGE.rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.FunctionDef)
+               for arg in node.args.args if arg.arg == "cfg" and arg.annotation is None]
+    assert not missing, missing
+
+
+def test_training_imports_no_stage():
+    """The training package reads what stages write (files, versions), not the stages' code."""
+    leaks = [f"{path.name}: {node.module}" for path in sorted((PACKAGE / "train").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdpipe.stages")]
+    assert not leaks, leaks
