@@ -23,3 +23,18 @@ def test_training_imports_no_stage():
              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
              if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdpipe.stages")]
     assert not leaks, leaks
+
+
+def test_the_workflow_reads_a_config_without_torch(tmp_path):
+    """Every `snakemake` start (one per DVC stage, every dry run) validates the config as common.smk does; for a
+    preset that must not import torch or diffusers, which cost seconds each time."""
+    import subprocess
+    import sys
+
+    (tmp_path / "c.yaml").write_text("model: {pretrained: models/tiny, build_preset: tiny}\ndata: {raw_dir: d}\n")
+    code = ("import sys; from sdpipe.config import check_user_config, effective; import sdpipe.export.names, "
+            "sdpipe.parallel; check_user_config(effective([sys.argv[1]], {})); "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.yaml")], capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout
+    assert out.strip() == "[]"

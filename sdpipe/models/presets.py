@@ -13,15 +13,18 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
-from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from typing import TYPE_CHECKING, Any
 
 from sdpipe.errors import UserError
 from sdpipe.models import owned
-from sdpipe.models.tokenizer import build_clip_tokenizer, write_vocab_files
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import DiffusionPipeline
+    from transformers import CLIPTextConfig
+
+# torch, diffusers and transformers are imported where models are built: the workflow reads a preset's configs
+# (model_facts) in every `snakemake` start, and those imports would add seconds to each (one per DVC stage).
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ def family(preset: str) -> str:
 
 
 def _clip_text(hidden: int, layers: int, heads: int, inter: int, act: str, proj: int) -> CLIPTextConfig:
+    from transformers import CLIPTextConfig
+
     # eos_token_id 49407: the pooled output is read at the first <|endoftext|>, as in the real tokenizers.
     return CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, hidden_size=hidden, num_hidden_layers=layers,
                           num_attention_heads=heads, intermediate_size=inter, hidden_act=act, projection_dim=proj,
@@ -124,11 +129,11 @@ def scheduler(preset: str):
     in training, so the colour of a flat shape is decided badly at the first sampling step. Chosen by measuring
     the demo's prompt-colour accuracy (sdpipe.demo_colours) on the 2-core CPU.
     """
+    from diffusers import DDIMScheduler, DDPMScheduler
+
     common = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
                   clip_sample=False, steps_offset=1)
     if _check(preset) == "tiny":
-        from diffusers import DDIMScheduler
-
         return DDIMScheduler(**common, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                              timestep_spacing="trailing", set_alpha_to_one=False)
     return DDPMScheduler(**common, prediction_type="epsilon")
@@ -140,7 +145,11 @@ def _n_params(model: torch.nn.Module) -> int:
 
 def build_pipeline(preset: str, seed: int = 0) -> DiffusionPipeline:
     """The whole pipeline with random weights; the same preset and seed give the same weights bit for bit."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    import torch
+    from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from sdpipe.models.tokenizer import build_clip_tokenizer
 
     torch.manual_seed(seed)  # one seed, and a fixed build order below, make every weight reproducible
     parts: dict[str, Any] = dict(unet=UNet2DConditionModel(**unet_config(preset)),
@@ -172,6 +181,10 @@ def build_and_save(preset: str, out: Path, seed: int = 0) -> Path:
     out = Path(out)
     _check(preset)
     _check_out(out)
+    import torch
+
+    from sdpipe.models.tokenizer import write_vocab_files
+
     pipe = build_pipeline(preset, seed)
     counts = {name: _n_params(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     log.info("built preset %s (seed %d): %s", preset, seed, ", ".join(f"{k} {v:,} params" for k, v in counts.items()))
