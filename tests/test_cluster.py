@@ -91,3 +91,26 @@ def test_the_batch_script_outside_a_step_counts_nodes(monkeypatch):
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
     assert train.topology(_cfg()).num_machines == 1
+
+
+def test_one_machine_rendezvous_on_a_free_port_of_its_own(monkeypatch):
+    """Two projects training side by side on one pod, or a rerun while a killed run's ranks still exit, must not
+    meet on the configured port: with it taken, the launch still gets a port it can bind."""
+    import socket
+
+    monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        port = train.rendezvous_port(train.topology(_cfg(main_process_port=taken)))
+        assert port != taken
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_several_machines_keep_the_configured_port(monkeypatch):
+    for key, value in {**NODE, "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert train.rendezvous_port(train.topology(_cfg(main_process_port=31337))) == 31337

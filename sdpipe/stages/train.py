@@ -23,6 +23,7 @@ from sdpipe.train.models import MIXED
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sdpipe.cluster import Topology
     from sdpipe.config import Config
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def launch_command(cfg: Config, world: int, config_path: Path, index: Path, out:
         return [sys.executable, *loop]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
            "--num_machines", str(mn.num_machines), "--machine_rank", str(mn.machine_rank),
-           "--main_process_port", str(mn.main_process_port), "--dynamo_backend", "no",
+           "--main_process_port", str(rendezvous_port(mn)), "--dynamo_backend", "no",
            "--mixed_precision", MIXED[cfg.train.mixed_precision]]
     if mn.main_process_ip:
         cmd += ["--main_process_ip", mn.main_process_ip]
@@ -134,6 +135,19 @@ def launch_command(cfg: Config, world: int, config_path: Path, index: Path, out:
     if ids:
         cmd += ["--gpu_ids", ids]
     return cmd + loop
+
+
+def rendezvous_port(mn: Topology) -> int:
+    """The configured port across machines, which every node must agree on. On one machine a free port of its own:
+    a fixed one is shared by every run on the pod, so a second project training beside the first, or a rerun
+    started while a killed run's ranks are still exiting, would meet the other run's rendezvous."""
+    if mn.num_machines > 1:
+        return mn.main_process_port
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _gpu_ids(local: int) -> str | None:

@@ -7,8 +7,11 @@ at the same time. Two guards:
 - each rank asks the kernel for SIGTERM when its parent dies (Linux's parent-death signal);
 - one lock per run folder: `sdpipe train` holds `.run.lock` for the whole stage, rank 0 holds `.rank.lock` while it
   lives, and every rank holds `.ranks.lock` shared while it lives. A second run refuses while the first is alive,
-  and waits, briefly, for every rank of a dead run to go: a rank that outlived rank 0 by a moment could otherwise
-  still talk to the new run's rendezvous on the same port.
+  and waits, briefly, for every rank of a dead run to go.
+
+A rank of a killed run that is still starting (importing, before it asks for the signal or takes a lock) may retry
+its rendezvous for a while; on one machine each run rendezvouses on a free port of its own
+(`stages.train.rendezvous_port`), so such a rank never joins the next run's.
 """
 
 from __future__ import annotations
