@@ -38,8 +38,14 @@ services:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge \
 	  || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }; }
 
+# Python lint and format (ruff), the Snakemake files' format (snakefmt) and lint, and the typed core (mypy; which
+# files: pyproject.toml's [tool.mypy]). CI runs it before the tests.
 lint: setup
+	ruff check sdpipe tests scripts benchmarks
+	ruff format --check sdpipe tests scripts benchmarks
+	snakefmt --check Snakefile workflow
 	snakemake --lint
+	mypy
 
 clean-results:
 	rm -rf results logs .snakemake benchmarks/*.tsv

@@ -53,8 +53,10 @@ def main() -> None:
     assert not bad
     print(f"{args.shards} shards, {mb:.0f} MB, {entries} latents each (page cache warm after writing)")
     print(f"write: plain safetensors {mb / plain_write_s:.0f} MB/s, with checksum {mb / write_s:.0f} MB/s")
-    print(f"plain read: {mb / read_s:.0f} MB/s; "
-          f"verify: {mb / verify_s:.0f} MB/s ({verify_s:.2f} s, {verify_s / read_s:.1f}x a plain read)")
+    print(
+        f"plain read: {mb / read_s:.0f} MB/s; "
+        f"verify: {mb / verify_s:.0f} MB/s ({verify_s:.2f} s, {verify_s / read_s:.1f}x a plain read)"
+    )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -32,8 +32,14 @@ VARIANTS = {  # name -> (VAE name, overrides); "default" is config/config.yaml a
 }
 GUIDANCE = (2.0,)  # each trained variant is evaluated at each scale
 CONFIG = "config.yaml"
-FAST = ["evaluate.fid.enabled=false", "evaluate.clip_score.enabled=false", "train.validation.every=0",
-        "train.resume=null", "train.num_processes=1", "export.single_file=false"]
+FAST = [
+    "evaluate.fid.enabled=false",
+    "evaluate.clip_score.enabled=false",
+    "train.validation.every=0",
+    "train.resume=null",
+    "train.num_processes=1",
+    "export.single_file=false",
+]
 
 
 EXTRA: list[str] = []  # --set: appended to every stage's overrides (e.g. short schedules for a smoke run)
@@ -57,10 +63,12 @@ def shared(work: Path) -> None:
     demo.generate(Path("data/raw"))
     presets.build_and_save("tiny", Path("models/tiny"))
     cfg = load([])
-    prepare.run(cfg, {}, {"manifest": r / "manifest.jsonl", "rejected": r / "rejected.jsonl",
-                          "summary": r / "prepare.json"})
-    caption.run(cfg, {"manifest": r / "manifest.jsonl"}, {"captions": r / "captions.jsonl",
-                                                           "summary": r / "captions.json"})
+    prepare.run(
+        cfg, {}, {"manifest": r / "manifest.jsonl", "rejected": r / "rejected.jsonl", "summary": r / "prepare.json"}
+    )
+    caption.run(
+        cfg, {"manifest": r / "manifest.jsonl"}, {"captions": r / "captions.jsonl", "summary": r / "captions.json"}
+    )
 
 
 def recon_accuracy(model: Path, manifest: Path, captions: Path) -> float:
@@ -89,12 +97,15 @@ def vae_stage(name: str, overrides: list[str]) -> dict:
 
     r, v = Path("results"), Path("results") / name
     start = time.perf_counter()
-    stats = train_vae.run(load(overrides), {"manifest": r / "manifest.jsonl"},
-                          {"out": v / "model", "summary": v / "vae.json"})
+    stats = train_vae.run(
+        load(overrides), {"manifest": r / "manifest.jsonl"}, {"out": v / "model", "summary": v / "vae.json"}
+    )
     seconds = time.perf_counter() - start
-    latents.run(load([*overrides, f"model.pretrained={v / 'model'}"]),
-                {"manifest": r / "manifest.jsonl", "captions": r / "captions.jsonl"},
-                {"index": v / "latents/index.json", "summary": v / "latents.json"})
+    latents.run(
+        load([*overrides, f"model.pretrained={v / 'model'}"]),
+        {"manifest": r / "manifest.jsonl", "captions": r / "captions.jsonl"},
+        {"index": v / "latents/index.json", "summary": v / "latents.json"},
+    )
     acc = recon_accuracy(v / "model", r / "manifest.jsonl", r / "captions.jsonl")
     return {"vae": name, "vae_s": round(seconds, 1), "rgb_error": stats["rgb_error"], "recon_acc": round(acc, 3)}
 
@@ -120,21 +131,43 @@ def _variant(work: str, name: str, vae: str, overrides: list[str], seeds: int, e
     torch.set_num_threads(2)  # several variants share the machine's cores
     os.chdir(work)
     r, out = Path("results"), Path("results") / name
-    cfg = load([f"model.pretrained=results/{vae}/model", *overrides,
-                f"evaluate.seeds=[{','.join(str(s) for s in range(seeds))}]"])
+    cfg = load(
+        [
+            f"model.pretrained=results/{vae}/model",
+            *overrides,
+            f"evaluate.seeds=[{','.join(str(s) for s in range(seeds))}]",
+        ]
+    )
     start = time.perf_counter()
-    train.run(cfg, {"index": r / vae / "latents/index.json"},
-                        {"out": out / "train", "summary": out / "train/summary.json"})
+    train.run(
+        cfg, {"index": r / vae / "latents/index.json"}, {"out": out / "train", "summary": out / "train/summary.json"}
+    )
     seconds = time.perf_counter() - start
     export.run(cfg, {"final": out / "train/final"}, {"out": out / "export", "summary": out / "export/summary.json"})
-    row = {"name": name, "train_s": round(seconds, 1),
-           "steps": json.loads((out / "train/summary.json").read_text()).get("optimizer_steps")}
+    row = {
+        "name": name,
+        "train_s": round(seconds, 1),
+        "steps": json.loads((out / "train/summary.json").read_text()).get("optimizer_steps"),
+    }
     for g in GUIDANCE:
-        cfg = load([f"model.pretrained=results/{vae}/model", *overrides, f"evaluate.guidance={g}",
-                    f"evaluate.seeds=[{','.join(str(s) for s in range(seeds))}]"])
-        metrics = evaluate.run(cfg, {"model": out / "export/diffusers", "manifest": r / "manifest.jsonl",
-                                     "train_summary": out / "train/summary.json", "scaling": r / "none.json"},
-                               {"metrics": out / f"metrics-g{g}.json", "samples": out / f"samples-g{g}"})
+        cfg = load(
+            [
+                f"model.pretrained=results/{vae}/model",
+                *overrides,
+                f"evaluate.guidance={g}",
+                f"evaluate.seeds=[{','.join(str(s) for s in range(seeds))}]",
+            ]
+        )
+        metrics = evaluate.run(
+            cfg,
+            {
+                "model": out / "export/diffusers",
+                "manifest": r / "manifest.jsonl",
+                "train_summary": out / "train/summary.json",
+                "scaling": r / "none.json",
+            },
+            {"metrics": out / f"metrics-g{g}.json", "samples": out / f"samples-g{g}"},
+        )
         row[f"g{g}"] = metrics["colour_accuracy"]["value"]
     return row
 
@@ -166,12 +199,19 @@ def main() -> None:
     print("\n| VAE | VAE s | RGB error | reconstruction colour accuracy |\n|---|---|---|---|")
     for v in vaes:
         print(f"| {v['vae']} | {v['vae_s']} | {v['rgb_error']} | {v['recon_acc']} |")
-    print("\n| variant | VAE | overrides | train s | steps | " + " | ".join(f"colour accuracy g={g}" for g in GUIDANCE)
-          + " |\n|---|---|---|---|---|" + "---|" * len(GUIDANCE))
+    print(
+        "\n| variant | VAE | overrides | train s | steps | "
+        + " | ".join(f"colour accuracy g={g}" for g in GUIDANCE)
+        + " |\n|---|---|---|---|---|"
+        + "---|" * len(GUIDANCE)
+    )
     for row in rows:
         vae, overrides = VARIANTS[row["name"]]
-        print(f"| {row['name']} | {vae} | {' '.join(overrides)} | {row['train_s']} | {row.get('steps')} | "
-              + " | ".join(str(row.get(f"g{g}")) for g in GUIDANCE) + " |")
+        print(
+            f"| {row['name']} | {vae} | {' '.join(overrides)} | {row['train_s']} | {row.get('steps')} | "
+            + " | ".join(str(row.get(f"g{g}")) for g in GUIDANCE)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -19,16 +19,18 @@ import torch._inductor.config
 from sdpipe.bench.baseline import random_cond
 
 RESOLUTION = {"sd15": 512, "sdxl": 1024}
-CAT_DEFAULTS = {key: getattr(torch._inductor.config, key)
-                for key in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
-                if hasattr(torch._inductor.config, key)}  # not every torch has the second
+CAT_DEFAULTS = {
+    key: getattr(torch._inductor.config, key)
+    for key in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
+    if hasattr(torch._inductor.config, key)
+}  # not every torch has the second
 
 
 def compile_regions(model, names=("down_blocks", "mid_block", "up_blocks")) -> None:
     """Compile each UNet/VAE block on its own: graphs stay small (bounded compile time), shapes static."""
     for name in names:
         part = getattr(model, name, None)
-        for block in (part if isinstance(part, torch.nn.ModuleList) else [part]):
+        for block in part if isinstance(part, torch.nn.ModuleList) else [part]:
             if block is not None:
                 block.compile(dynamic=False)
 
@@ -89,8 +91,9 @@ def unet_case(preset: str, variant: str, batch: int, steps: int) -> dict:
         noise = torch.randn_like(data["latents"])
         t = torch.randint(0, 1000, (batch,), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = unet(data["latents"] + noise, t, encoder_hidden_states=data["hidden"],
-                        added_cond_kwargs=added).sample
+            pred = unet(
+                data["latents"] + noise, t, encoder_hidden_states=data["hidden"], added_cond_kwargs=added
+            ).sample
         loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0, foreach=True)
@@ -147,8 +150,11 @@ def profile(step, top: int = 25) -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 2e3:8.2f} ms/step  "
-              f"x{e.count // 2:<4} {e.key[:110]}", flush=True)
+        print(
+            f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 2e3:8.2f} ms/step  "
+            f"x{e.count // 2:<4} {e.key[:110]}",
+            flush=True,
+        )
 
 
 def vae_case(variant: str, batch: int, steps: int) -> dict:
@@ -194,21 +200,29 @@ def _time(step, batch: int, steps: int) -> dict:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     med = sorted(times)[len(times) // 2]
-    return {"samples_per_s": batch / med, "step_ms": med * 1e3, "warmup_s": warm,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "samples_per_s": batch / med,
+        "step_ms": med * 1e3,
+        "warmup_s": warm,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["unet", "vae"], default="unet")
     parser.add_argument("--preset", choices=sorted(RESOLUTION), default="sd15")
-    parser.add_argument("--cases", nargs="+", default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
-                        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), "
-                             "maxat (max-autotune), cdt (coordinate-descent tuning), combo (combo kernels), bench "
-                             "(cudnn.benchmark), gn (ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), geglu "
-                             "(SplitProjectionGEGLU), nopwcat (no pointwise cats), "
-                             "cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), prof (kernel table), "
-                             "copyprof (layout copies)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["eager:32", "cl:32", "full+cl:32", "regional+cl:32"],
+        help="variant:batch, variant = eager or a '+' list of cl, full, regional, ro (CUDA graphs), "
+        "maxat (max-autotune), cdt (coordinate-descent tuning), combo (combo kernels), bench "
+        "(cudnn.benchmark), gn (ChannelStatGroupNorm), clconv (ChannelsLastInputConv2d), geglu "
+        "(SplitProjectionGEGLU), nopwcat (no pointwise cats), "
+        "cudnnattn / effattn (SDPA backend), mathattn (VAE), fp16 (VAE), prof (kernel table), "
+        "copyprof (layout copies)",
+    )
     parser.add_argument("--budget", type=float, default=1e9, help="seconds: start no case after this")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
@@ -227,14 +241,21 @@ def main() -> None:
             else:
                 r = vae_case(variant, int(batch), args.steps)
         except Exception as err:  # noqa: BLE001 - a failed variant is a row, not the end of the run
-            r = {"samples_per_s": float("nan"), "step_ms": float("nan"), "warmup_s": float("nan"),
-                 "peak_gib": float("nan"), "note": f"{type(err).__name__}: {str(err)[:200]}"}
+            r = {
+                "samples_per_s": float("nan"),
+                "step_ms": float("nan"),
+                "warmup_s": float("nan"),
+                "peak_gib": float("nan"),
+                "note": f"{type(err).__name__}: {str(err)[:200]}",
+            }
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         rows.append((case, r))
         print(f"{args.part} {args.preset} {case}: {r}", flush=True)
-    print(f"\n| {args.part} {args.preset if args.part == 'unet' else 'sd15 VAE encoder 512px bf16'} | samples/s "
-          "| step ms | warm-up s | peak GiB |\n|---|---|---|---|---|")
+    print(
+        f"\n| {args.part} {args.preset if args.part == 'unet' else 'sd15 VAE encoder 512px bf16'} | samples/s "
+        "| step ms | warm-up s | peak GiB |\n|---|---|---|---|---|"
+    )
     for case, r in rows:
         print(f"| {case} | {r['samples_per_s']:.1f} | {r['step_ms']:.1f} | {r['warmup_s']:.1f} | {r['peak_gib']:.1f} |")
 

@@ -38,9 +38,12 @@ def train_variant(preset: str, batch: int, variant: str, steps: int) -> dict:
     if variant != "eager":
         cfg = argparse.Namespace(train=argparse.Namespace(compile="compiled"))
         prepare_for_gpu_compile(cfg, unet, device)
-    forward = {"eager": unet, "whole": torch.compile(unet) if variant == "whole" else None,
-               "blocks": compile_regions(unet) if variant == "blocks" else None,
-               "blocks-dynamic": compile_regions(unet, dynamic=None) if variant == "blocks-dynamic" else None}[variant]
+    forward = {
+        "eager": unet,
+        "whole": torch.compile(unet) if variant == "whole" else None,
+        "blocks": compile_regions(unet) if variant == "blocks" else None,
+        "blocks-dynamic": compile_regions(unet, dynamic=None) if variant == "blocks-dynamic" else None,
+    }[variant]
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=True)
     scheduler = presets.scheduler(preset)
     data = random_cond(preset, 512 if preset == "sd15" else 1024, batch, device, torch.Generator().manual_seed(0))
@@ -67,8 +70,14 @@ def train_variant(preset: str, batch: int, variant: str, steps: int) -> dict:
         step()
     torch.cuda.synchronize()
     rate = batch * steps / (time.perf_counter() - start)
-    return {"variant": variant, "batch": batch, "first_step_s": round(first, 1), "compile_s": compile_seconds(),
-            "samples_per_s": round(rate, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+    return {
+        "variant": variant,
+        "batch": batch,
+        "first_step_s": round(first, 1),
+        "compile_s": compile_seconds(),
+        "samples_per_s": round(rate, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    }
 
 
 def train(args) -> None:
@@ -76,8 +85,19 @@ def train(args) -> None:
     for variant in args.variant:
         cache = tempfile.mkdtemp(prefix=f"compile-{variant}-")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
-        cmd = [sys.executable, __file__, "train-one", "--preset", args.preset, "--batch", str(args.batch),
-               "--variant", variant, "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "train-one",
+            "--preset",
+            args.preset,
+            "--batch",
+            str(args.batch),
+            "--variant",
+            variant,
+            "--steps",
+            str(args.steps),
+        ]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-2000:]
@@ -92,8 +112,18 @@ def sample(args) -> None:
         speed, batch, compile_mode = spec.split(":")
         out = tempfile.mkdtemp(prefix="samples-")
         jobs = [{"prompt": prompts[i % 2], "seed": i, "file": f"{out}/{i:03d}.png"} for i in range(args.images)]
-        settings = {"pretrained": args.model, "revision": None, "variant": None, "height": 512, "width": 512,
-                    "steps": 20, "guidance": 5.0, "batch_size": int(batch), "half_on_gpu": True, "compile": compile_mode}
+        settings = {
+            "pretrained": args.model,
+            "revision": None,
+            "variant": None,
+            "height": 512,
+            "width": 512,
+            "steps": 20,
+            "guidance": 5.0,
+            "batch_size": int(batch),
+            "half_on_gpu": True,
+            "compile": compile_mode,
+        }
         if speed == "plain":  # as before issue 24: no speed-ups, the first batch timed with the rest
             import sdpipe.generate as g
 
@@ -102,8 +132,11 @@ def sample(args) -> None:
         if speed == "plain":
             g.prepare_sampler = keep
         rate = len(jobs) / result["seconds"]
-        print(f"sample {spec}: {rate:.2f} images/s after warm-up; load {result['load_s']:.1f} s, warm-up "
-              f"{result['warmup_s']:.1f} s, {len(jobs)} images in {result['seconds']:.1f} s", flush=True)
+        print(
+            f"sample {spec}: {rate:.2f} images/s after warm-up; load {result['load_s']:.1f} s, warm-up "
+            f"{result['warmup_s']:.1f} s, {len(jobs)} images in {result['seconds']:.1f} s",
+            flush=True,
+        )
 
 
 def export(args) -> None:
@@ -117,22 +150,36 @@ def export(args) -> None:
     from sdpipe.train.models import build_unet, save_final
 
     work = tempfile.mkdtemp(prefix="export-")
-    cfg = config.from_dict({"model": {"pretrained": args.model, "build_preset": None, "train_vae": {"enabled": False}},
-                            "prepare": {"buckets": {"resolution": args.resolution, "step": 8}},
-                            "train": {"mode": "lora", "text_encoder": {"mode": "none"}}})
+    cfg = config.from_dict(
+        {
+            "model": {"pretrained": args.model, "build_preset": None, "train_vae": {"enabled": False}},
+            "prepare": {"buckets": {"resolution": args.resolution, "step": 8}},
+            "train": {"mode": "lora", "text_encoder": {"mode": "none"}},
+        }
+    )
     unet = build_unet(cfg, "cpu")
     torch.manual_seed(0)
     for name, p in unet.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.01)
     start = time.perf_counter()
-    save_final(Accelerator(cpu=True), {"unet": unet}, {"unet": "lora"}, f"{work}/final", None,
-               {"base": args.model, "family": "sd", "prediction_type": "epsilon", "optimizer_steps": 1})
+    save_final(
+        Accelerator(cpu=True),
+        {"unet": unet},
+        {"unet": "lora"},
+        f"{work}/final",
+        None,
+        {"base": args.model, "family": "sd", "prediction_type": "epsilon", "optimizer_steps": 1},
+    )
     saved = time.perf_counter()
     summary = stage.run(cfg, {"final": f"{work}/final"}, {"out": f"{work}/export", "summary": f"{work}/summary.json"})
-    print(f"export: {time.perf_counter() - saved:.1f} s (final saved in {saved - start:.1f} s); "
-          + json.dumps({k: {x: v[x] for x in ('verified', 'mean_abs_diff', 'max_abs_diff')}
-                        for k, v in summary["formats"].items()}), flush=True)
+    print(
+        f"export: {time.perf_counter() - saved:.1f} s (final saved in {saved - start:.1f} s); "
+        + json.dumps(
+            {k: {x: v[x] for x in ("verified", "mean_abs_diff", "max_abs_diff")} for k, v in summary["formats"].items()}
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:

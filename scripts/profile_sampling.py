@@ -45,8 +45,12 @@ def main() -> None:
     prepare_sampler(pipe, "cuda:0")
     b, n = args.batch, args.steps
     print("attention processors:", sorted({type(p).__name__ for p in pipe.unet.attn_processors.values()}))
-    print("sdpa flash/mem-efficient/math:", torch.backends.cuda.flash_sdp_enabled(),
-          torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    print(
+        "sdpa flash/mem-efficient/math:",
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+    )
     prompts = ["a photo of a red balloon over a lake"] * b
 
     def whole():
@@ -61,8 +65,11 @@ def main() -> None:
     with torch.no_grad():
         t_unet = timed(lambda: pipe.unet(lat, t, encoder_hidden_states=text), repeat=5)
         flops = 2 * 0.4e12 * 2 * b  # about 0.4 TMAC per SD 1.5 UNet forward at 512 px, per sample
-        print(f"unet forward at batch {2 * b}: {t_unet * 1000:.1f} ms, x{n} steps = {t_unet * n:.3f} s "
-              f"({flops / t_unet / 1e12:.0f} TFLOP/s by the 0.4 TMAC rule)", flush=True)
+        print(
+            f"unet forward at batch {2 * b}: {t_unet * 1000:.1f} ms, x{n} steps = {t_unet * n:.3f} s "
+            f"({flops / t_unet / 1e12:.0f} TFLOP/s by the 0.4 TMAC rule)",
+            flush=True,
+        )
         z = torch.randn(b, 4, 64, 64, device="cuda", dtype=dtype)
         t_sliced = timed(lambda: pipe.vae.decode(z / pipe.vae.config.scaling_factor), repeat=2)
         pipe.vae.disable_slicing()
@@ -79,12 +86,24 @@ def main() -> None:
     out = tempfile.mkdtemp()
     jobs = [{"prompt": prompts[0], "seed": i, "file": f"{out}/{i:03d}.png"} for i in range(4 * b)]
     for threads in (0, 4):  # PNGs written between batches (before) or by threads beside the GPU (now)
-        settings = {"pretrained": str(folder), "revision": None, "variant": None, "height": 512, "width": 512,
-                    "steps": n, "guidance": 5.0, "batch_size": b, "half_on_gpu": args.dtype == "fp16",
-                    "write_threads": threads}
+        settings = {
+            "pretrained": str(folder),
+            "revision": None,
+            "variant": None,
+            "height": 512,
+            "width": 512,
+            "steps": n,
+            "guidance": 5.0,
+            "batch_size": b,
+            "half_on_gpu": args.dtype == "fp16",
+            "write_threads": threads,
+        }
         result = generate_worker("cuda:0", jobs, lambda k=1: None, settings)
-        print(f"generate_worker, {len(jobs)} PNGs, write_threads={threads}: {len(jobs) / result['seconds']:.2f} "
-              f"images/s after warm-up (load {result['load_s']:.1f} s, warm-up {result['warmup_s']:.1f} s)", flush=True)
+        print(
+            f"generate_worker, {len(jobs)} PNGs, write_threads={threads}: {len(jobs) / result['seconds']:.2f} "
+            f"images/s after warm-up (load {result['load_s']:.1f} s, warm-up {result['warmup_s']:.1f} s)",
+            flush=True,
+        )
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -68,8 +68,12 @@ class ShardStore:
             if why:
                 (self.root / DAMAGED).mkdir(exist_ok=True)
                 os.replace(shard, self.root / DAMAGED / shard.name)
-                log.warning("cache shard %s is damaged (%s): set aside in %s/, its entries will be recomputed",
-                            shard, why, DAMAGED)
+                log.warning(
+                    "cache shard %s is damaged (%s): set aside in %s/, its entries will be recomputed",
+                    shard,
+                    why,
+                    DAMAGED,
+                )
                 moved.append(shard.name)
         return moved
 
@@ -88,7 +92,9 @@ class ShardStore:
         """Write {key: {field: tensor}} as one new shard; return its path."""
         if not entries:
             return None
-        flat = {f"{key}{SEP}{field}": t.contiguous().cpu() for key, fields in entries.items() for field, t in fields.items()}
+        flat = {
+            f"{key}{SEP}{field}": t.contiguous().cpu() for key, fields in entries.items() for field, t in fields.items()
+        }
         path = self.root / _shard_name()
         with io.atomic_path(path) as tmp:
             write_checksummed(flat, tmp)
@@ -108,7 +114,7 @@ class ShardStore:
         prefix = key + SEP
         self.check(self.root / where[key])
         with safe_open(str(self.root / where[key]), framework="pt") as f:
-            return {name[len(prefix):]: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
+            return {name[len(prefix) :]: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
 
     def check(self, shard: Path, repair: str = "snakemake --forcerun latents") -> None:
         """Verify `shard` the first time this store reads it; a damaged one is a one-line error naming the fix."""

@@ -28,8 +28,21 @@ STAGES = {
     "report": "sdpipe.stages.report",
     "card": "sdpipe.stages.card",
 }
-TOOLS = ("demo", "build-model", "doctor", "fetch-weights", "fetch-model", "publish", "bench", "bench-dag", "pod",
-         "runpod", "check-config", "init", "dvc-yaml")
+TOOLS = (
+    "demo",
+    "build-model",
+    "doctor",
+    "fetch-weights",
+    "fetch-model",
+    "publish",
+    "bench",
+    "bench-dag",
+    "pod",
+    "runpod",
+    "check-config",
+    "init",
+    "dvc-yaml",
+)
 DEFAULT_CONFIG = "config/config.yaml"
 
 
@@ -41,8 +54,13 @@ def load_config(path: str, overrides: list[str]):
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default: {DEFAULT_CONFIG})")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set latents.gpus=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set latents.gpus=2 (repeatable)",
+    )
 
 
 def _add_stage(sub, name: str, module_name: str) -> None:
@@ -51,8 +69,12 @@ def _add_stage(sub, name: str, module_name: str) -> None:
     _add_config_flags(p)
     for kind, paths in (("input", module.INPUTS), ("output", module.OUTPUTS)):
         for key, default in paths.items():
-            p.add_argument(f"--{key.replace('_', '-')}", dest=f"{kind}__{key}", default=default,
-                           help=f"{kind} path (default: {default})")
+            p.add_argument(
+                f"--{key.replace('_', '-')}",
+                dest=f"{kind}__{key}",
+                default=default,
+                help=f"{kind} path (default: {default})",
+            )
     p.set_defaults(handler=_run_stage, module=module)
 
 
@@ -159,36 +181,55 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_fetch_weights)
 
-    p = sub.add_parser("fetch-model", help="download only the base-model files this config loads into the Hugging "
-                                           "Face cache (needs internet): one weight variant, or for a single-file "
-                                           "model its configs and tokenizers")
+    p = sub.add_parser(
+        "fetch-model",
+        help="download only the base-model files this config loads into the Hugging "
+        "Face cache (needs internet): one weight variant, or for a single-file "
+        "model its configs and tokenizers",
+    )
     _add_config_flags(p)
     p.set_defaults(handler=_cmd_fetch_model)
 
-    p = sub.add_parser("publish", help="upload an export folder to the Hub repo export.hub.repo_id (token from the "
-                                       "environment variable export.hub.token_env)")
+    p = sub.add_parser(
+        "publish",
+        help="upload an export folder to the Hub repo export.hub.repo_id (token from the "
+        "environment variable export.hub.token_env)",
+    )
     _add_config_flags(p)
     p.add_argument("--folder", default="results/export", help="the folder to upload (default: results/export)")
-    p.add_argument("--card", default="results/card", help="the model card's folder, uploaded beside it as the "
-                                                         "repo's README.md (default: results/card; skipped if absent)")
+    p.add_argument(
+        "--card",
+        default="results/card",
+        help="the model card's folder, uploaded beside it as the "
+        "repo's README.md (default: results/card; skipped if absent)",
+    )
     p.set_defaults(handler=_cmd_publish)
 
-    p = sub.add_parser("bench", help="GPU speed: the training step against the diffusers-example loop, latent "
-                                     "caching and the data loader, measured in one run (see benchmarks/)")
+    p = sub.add_parser(
+        "bench",
+        help="GPU speed: the training step against the diffusers-example loop, latent "
+        "caching and the data loader, measured in one run (see benchmarks/)",
+    )
     from sdpipe.bench.cli import add_arguments
 
     add_arguments(p)
     p.set_defaults(handler=_cmd_bench)
 
-    p = sub.add_parser("bench-dag", help="the whole DAG through `snakemake --profile runpod` on a random-init preset "
-                                         "and synthetic JPEGs, timed stage by stage (see benchmarks/)")
+    p = sub.add_parser(
+        "bench-dag",
+        help="the whole DAG through `snakemake --profile runpod` on a random-init preset "
+        "and synthetic JPEGs, timed stage by stage (see benchmarks/)",
+    )
     from sdpipe.bench.dag import add_arguments as dag_arguments
 
     dag_arguments(p)
     p.set_defaults(handler=_cmd_bench_dag)
 
-    p = sub.add_parser("pod", help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
-                                   "volume, run snakemake --profile runpod")
+    p = sub.add_parser(
+        "pod",
+        help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
+        "volume, run snakemake --profile runpod",
+    )
     from sdpipe import pod
 
     pod.add_arguments(p)
@@ -205,8 +246,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true", help="also print the effective config (every key, defaults filled)")
     p.set_defaults(handler=_cmd_check_config)
 
-    p = sub.add_parser("init", help="a project for one job from a template: sdpipe init FOLDER --template sd15-lora "
-                                    "--images PHOTOS --model BASE")
+    p = sub.add_parser(
+        "init",
+        help="a project for one job from a template: sdpipe init FOLDER --template sd15-lora "
+        "--images PHOTOS --model BASE",
+    )
     from sdpipe import project
 
     project.add_arguments(p)
@@ -253,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Every write is atomic and every cache entry checksummed, so what was finished is kept and a rerun goes on.
         where = f" writing {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"sdpipe {args.command}: error: the disk is full{where}; free space, then rerun: finished work is kept "
-              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
+        print(
+            f"sdpipe {args.command}: error: the disk is full{where}; free space, then rerun: finished work is kept "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         logging.getLogger("sdpipe").error("interrupted")

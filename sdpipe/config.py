@@ -440,20 +440,26 @@ def check_user_config(cfg: Config) -> None:
     per-stage configs derived from it: after model.train_vae, stages get model.pretrained = the trained pipeline."""
     m = cfg.model
     if m.train_vae.enabled and not m.build_preset:
-        raise UserError(f"config: model.train_vae.enabled retrains the VAE of {m.pretrained} from your images, a "
-                        f"setting for the demo's random-init preset; for real weights set model.train_vae.enabled: "
-                        f"false")
+        raise UserError(
+            f"config: model.train_vae.enabled retrains the VAE of {m.pretrained} from your images, a "
+            f"setting for the demo's random-init preset; for real weights set model.train_vae.enabled: "
+            f"false"
+        )
     if m.build_preset and Path(m.pretrained).name != m.build_preset:
-        raise UserError(f"config: model.build_preset = {m.build_preset} builds a random-init model at model.pretrained "
-                        f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
-                        f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
-                        f"models/{m.build_preset})")
+        raise UserError(
+            f"config: model.build_preset = {m.build_preset} builds a random-init model at model.pretrained "
+            f"= {m.pretrained}, which would then hide any real weights there; for your own base model set "
+            f"model.build_preset: null (a preset is built only into a folder named after it, e.g. "
+            f"models/{m.build_preset})"
+        )
     from sdpipe.models import owned
 
     if m.build_preset and owned.foreign(Path(m.pretrained)):
-        raise UserError(f"config: model.build_preset = {m.build_preset} would replace {m.pretrained}, which sdpipe did "
-                        f"not build, with a random-init model; to train on it set model.build_preset: null, or move "
-                        f"it away to let sdpipe build the preset there")
+        raise UserError(
+            f"config: model.build_preset = {m.build_preset} would replace {m.pretrained}, which sdpipe did "
+            f"not build, with a random-init model; to train on it set model.build_preset: null, or move "
+            f"it away to let sdpipe build the preset there"
+        )
     _check_folders(cfg)
     from sdpipe import model_facts
 
@@ -466,21 +472,27 @@ def _check_folders(cfg: Config) -> None:
         path = Path(value)
         blocker = next((p for p in (path, *path.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
-            raise UserError(f"config: {key} = {value} must be a folder, but {blocker} is a file; point it at a "
-                            f"folder (it is made if missing)")
+            raise UserError(
+                f"config: {key} = {value} must be a folder, but {blocker} is a file; point it at a "
+                f"folder (it is made if missing)"
+            )
 
 
 def _check_combinations(cfg: Config) -> None:
     """Rules between keys that a per-key schema cannot say."""
     if cfg.train.mode == "lora" and cfg.train.text_encoder.mode == "full":
-        raise UserError("config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "
-                        "fully trained text encoder, so its exports would not reproduce the trained model; set "
-                        "train.text_encoder.mode to lora or none (or train.mode to full)")
+        raise UserError(
+            "config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "
+            "fully trained text encoder, so its exports would not reproduce the trained model; set "
+            "train.text_encoder.mode to lora or none (or train.mode to full)"
+        )
     if cfg.dreambooth.enabled and not cfg.dreambooth.class_prompt.strip():
         raise UserError('config: dreambooth.enabled needs dreambooth.class_prompt (e.g. "a photo of a dog")')
     if cfg.dreambooth.enabled and cfg.model.train_vae.enabled:
-        raise UserError("config: dreambooth.enabled and model.train_vae.enabled exclude each other: class images come "
-                        "from the base model, which needs a trained VAE already")
+        raise UserError(
+            "config: dreambooth.enabled and model.train_vae.enabled exclude each other: class images come "
+            "from the base model, which needs a trained VAE already"
+        )
 
 
 def from_dict(raw: dict) -> Config:
@@ -551,6 +563,6 @@ def effective(files: list[str | Path], overrides: dict | None = None) -> Config:
     return from_dict(merge(raw, overrides or {}))
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> Config:
+def load(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     """Read, override, validate: a bad file or value is a one-line UserError."""
     return effective([path], apply_overrides({}, list(overrides)))

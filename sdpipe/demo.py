@@ -104,8 +104,19 @@ def _plan(count: int, seed: int) -> list[_Item]:
         radius = rng.uniform(0.22, 0.42) * min(w, h)
         margin = radius + 2
         centre = (rng.uniform(margin, w - margin), rng.uniform(margin, h - margin))
-        items.append(_Item(i, shape, colour, rng.choice(_backgrounds_for(colour)), (w, h), centre, radius,
-                           rng.uniform(-15.0, 15.0), i not in no_sidecar))
+        items.append(
+            _Item(
+                i,
+                shape,
+                colour,
+                rng.choice(_backgrounds_for(colour)),
+                (w, h),
+                centre,
+                radius,
+                rng.uniform(-15.0, 15.0),
+                i not in no_sidecar,
+            )
+        )
     return items
 
 
@@ -170,8 +181,10 @@ def _present(out: Path, files: dict[Path, bytes]) -> set[Path]:
         if path.is_dir() and not path.is_symlink():
             continue
         if path not in files or path.read_bytes() != files[path]:
-            raise UserError(f"{out} is not empty and is not the demo dataset (e.g. {path.relative_to(out)}; or it "
-                            "was made with another --count/--seed); choose another --out")
+            raise UserError(
+                f"{out} is not empty and is not the demo dataset (e.g. {path.relative_to(out)}; or it "
+                "was made with another --count/--seed); choose another --out"
+            )
         present.add(path)
     return present
 
@@ -190,6 +203,13 @@ def generate(out: Path, count: int = 480, seed: int = 0) -> list[Path]:
         if path not in present:
             write_bytes(path, data)
     sidecars = len(files) - len(images)
-    log.info("wrote demo dataset: %d images (%d with sidecar captions, %d captioned by file name) to %s "
-             "[count=%d seed=%d]", len(images), sidecars, len(images) - sidecars, out, count, seed)
+    log.info(
+        "wrote demo dataset: %d images (%d with sidecar captions, %d captioned by file name) to %s [count=%d seed=%d]",
+        len(images),
+        sidecars,
+        len(images) - sidecars,
+        out,
+        count,
+        seed,
+    )
     return images

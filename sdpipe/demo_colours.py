@@ -32,8 +32,9 @@ def _rgb_array(image) -> np.ndarray:
 def border_colour(arr: np.ndarray, width: int = 2) -> np.ndarray:
     """The median RGB of the outermost `width` pixels on every side: the background of a demo image."""
     w = max(1, min(width, min(arr.shape[:2]) // 4))
-    ring = np.concatenate([arr[:w].reshape(-1, 3), arr[-w:].reshape(-1, 3),
-                           arr[w:-w, :w].reshape(-1, 3), arr[w:-w, -w:].reshape(-1, 3)])
+    ring = np.concatenate(
+        [arr[:w].reshape(-1, 3), arr[-w:].reshape(-1, 3), arr[w:-w, :w].reshape(-1, 3), arr[w:-w, -w:].reshape(-1, 3)]
+    )
     return np.median(ring, axis=0)
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
-from pathlib import Path
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -69,8 +68,11 @@ def _component_weights(folder: Path, name: str, variant: str | None) -> list[Pat
     from sdpipe import single_file
     from sdpipe.weights import weight_variant
 
-    files = [p for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".bin")
-             and weight_variant(p.name) == variant]
+    files = [
+        p
+        for p in sorted(folder.iterdir())
+        if p.suffix in (".safetensors", ".bin") and weight_variant(p.name) == variant
+    ]
     if not files:
         raise UserError(f"missing: {folder} has no {variant or 'plain'} weights for {name} (*.safetensors or *.bin)")
     for path in files:
@@ -119,8 +121,10 @@ def single_file_status(path: Path) -> str:
         raise _unreadable(str(exc)) from None
     source = single_file.config_source(info)
     single_file.config_folder(path, source, family)
-    return (f"{path}: single-file {family} checkpoint, {len(info)} tensors; converted once, on first use, with the "
-            f"configs of {source}")
+    return (
+        f"{path}: single-file {family} checkpoint, {len(info)} tensors; converted once, on first use, with the "
+        f"configs of {source}"
+    )
 
 
 def model_status(name: str, revision: str | None, variant: str | None) -> str:
@@ -150,8 +154,12 @@ def weight_rows(cfg: Config) -> list[tuple[str, str, bool]]:
 
         ct = cfg.caption.clip_tags
         memo = Path(cfg.cache_dir) / "weight-hashes.json"
-        rows.append(_check(f"captioner clip_tags {ct.model}/{ct.pretrained}",
-                           lambda: captioners.describe(cfg, "clip_tags", memo).local))
+        rows.append(
+            _check(
+                f"captioner clip_tags {ct.model}/{ct.pretrained}",
+                lambda: captioners.describe(cfg, "clip_tags", memo).local,
+            )
+        )
     return rows
 
 
@@ -173,7 +181,9 @@ def run(cfg: Config, strict: bool = False) -> int:
     console.print(table)
     missing = [r for r in rows if not r[2]]
     if missing:
-        console.print(f"{len(missing)} weight set(s) missing or unreadable: fetch them where there is internet "
-                      "(`sdpipe fetch-model` for the base model, `hf download ID` for others) or point the config "
-                      "at a local copy.")
+        console.print(
+            f"{len(missing)} weight set(s) missing or unreadable: fetch them where there is internet "
+            "(`sdpipe fetch-model` for the base model, `hf download ID` for others) or point the config "
+            "at a local copy."
+        )
     return 1 if strict and missing else 0

@@ -13,10 +13,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -27,55 +26,121 @@ HEADER = """\
 # each stage runs (one rule each, forced, so the two never disagree). The caches under cache/ are not DVC outputs:
 # they are keyed by content and persist. Raw data: `dvc add` your images folder (see README "Snakemake and DVC").
 """
-MANIFEST, CAPTIONS, LATENTS = "results/prepare/manifest.jsonl", "results/captions/captions.jsonl", \
-    "results/latents/index.json"
+MANIFEST, CAPTIONS, LATENTS = (
+    "results/prepare/manifest.jsonl",
+    "results/captions/captions.jsonl",
+    "results/latents/index.json",
+)
 TRAINED_VAE = "results/vae/model"
 
 
 @dataclass(frozen=True)
 class Stage:
-    rules: str                    # the rules Snakemake may run ("class_images prepare"); the first one is forced
-    target: str                   # Snakemake's target
+    rules: str  # the rules Snakemake may run ("class_images prepare"); the first one is forced
+    target: str  # Snakemake's target
     deps: list[str]
-    params: list[str]             # config keys the stage reads
+    params: list[str]  # config keys the stage reads
     outs: list = field(default_factory=list)
     metrics: list[str] = field(default_factory=list)
-    model: str | None = None      # "base": the base model is a dependency; "stage": the model stages load
+    model: str | None = None  # "base": the base model is a dependency; "stage": the model stages load
     modules: tuple[str, ...] = ()  # the modules whose imports are the stage's code (default sdpipe.stages.<name>)
     extra: dict = field(default_factory=dict)
 
 
 STAGES = {
     "base_model": Stage("base_model", "base_model", [], ["model", "seed"], modules=("sdpipe.models.presets",)),
-    "train_vae": Stage("train_vae", "results/vae/summary.json", [MANIFEST],
-                       ["model.train_vae", "prepare.buckets.resolution", "seed"], [TRAINED_VAE],
-                       ["results/vae/summary.json"], model="base"),
-    "prepare": Stage("class_images prepare", "prepare", ["RAW"], ["data", "prepare", "dreambooth"],
-                     [MANIFEST, "results/prepare/rejected.jsonl"], ["results/prepare/summary.json"],
-                     modules=("sdpipe.stages.prepare", "sdpipe.stages.class_images")),
+    "train_vae": Stage(
+        "train_vae",
+        "results/vae/summary.json",
+        [MANIFEST],
+        ["model.train_vae", "prepare.buckets.resolution", "seed"],
+        [TRAINED_VAE],
+        ["results/vae/summary.json"],
+        model="base",
+    ),
+    "prepare": Stage(
+        "class_images prepare",
+        "prepare",
+        ["RAW"],
+        ["data", "prepare", "dreambooth"],
+        [MANIFEST, "results/prepare/rejected.jsonl"],
+        ["results/prepare/summary.json"],
+        modules=("sdpipe.stages.prepare", "sdpipe.stages.class_images"),
+    ),
     "caption": Stage("caption", "caption", [MANIFEST], ["caption"], [CAPTIONS], ["results/captions/summary.json"]),
-    "latents": Stage("latents", "latents", [MANIFEST, CAPTIONS], ["latents", "model", "prepare.alpha_background"],
-                     [LATENTS], ["results/latents/summary.json"], model="stage"),
-    "train": Stage("train", "train", [LATENTS], ["train", "seed", "dreambooth.prior_loss_weight"],
-                   ["results/train/final"], ["results/train/summary.json"], model="stage",
-                   extra={"plots": [{"results/train/metrics.csv": {"cache": False, "x": "step", "y": "loss"}}]}),
-    "export": Stage("export", "export", ["results/train/final"], ["export", "train.prediction_type"],
-                    ["results/export"], model="stage"),
-    "evaluate": Stage("evaluate", "evaluate", ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
-                      ["evaluate", "benchmark"], [{"results/evaluate/samples": {"cache": False}}],
-                      ["results/evaluate/metrics.json"]),
-    "report": Stage("report", "report", ["results/evaluate/metrics.json", "results/export",
-                                         "results/train/metrics.csv"], [],
-                    [{"results/report": {"cache": False}}]),
+    "latents": Stage(
+        "latents",
+        "latents",
+        [MANIFEST, CAPTIONS],
+        ["latents", "model", "prepare.alpha_background"],
+        [LATENTS],
+        ["results/latents/summary.json"],
+        model="stage",
+    ),
+    "train": Stage(
+        "train",
+        "train",
+        [LATENTS],
+        ["train", "seed", "dreambooth.prior_loss_weight"],
+        ["results/train/final"],
+        ["results/train/summary.json"],
+        model="stage",
+        extra={"plots": [{"results/train/metrics.csv": {"cache": False, "x": "step", "y": "loss"}}]},
+    ),
+    "export": Stage(
+        "export",
+        "export",
+        ["results/train/final"],
+        ["export", "train.prediction_type"],
+        ["results/export"],
+        model="stage",
+    ),
+    "evaluate": Stage(
+        "evaluate",
+        "evaluate",
+        ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
+        ["evaluate", "benchmark"],
+        [{"results/evaluate/samples": {"cache": False}}],
+        ["results/evaluate/metrics.json"],
+    ),
+    "report": Stage(
+        "report",
+        "report",
+        ["results/evaluate/metrics.json", "results/export", "results/train/metrics.csv"],
+        [],
+        [{"results/report": {"cache": False}}],
+    ),
     # The model card in its own folder: results/export is the export stage's output, and the card needs evaluate.
-    "card": Stage("card", "card", ["results/prepare/summary.json", MANIFEST, CAPTIONS, "results/train/summary.json",
-                                   "results/export", "results/evaluate/metrics.json", "results/evaluate/samples"],
-                  ["model.pretrained", "export.name", "train", "prepare.buckets.resolution", "seed", "dreambooth",
-                   "evaluate.steps", "evaluate.guidance"], [{"results/card": {"cache": False}}]),
+    "card": Stage(
+        "card",
+        "card",
+        [
+            "results/prepare/summary.json",
+            MANIFEST,
+            CAPTIONS,
+            "results/train/summary.json",
+            "results/export",
+            "results/evaluate/metrics.json",
+            "results/evaluate/samples",
+        ],
+        [
+            "model.pretrained",
+            "export.name",
+            "train",
+            "prepare.buckets.resolution",
+            "seed",
+            "dreambooth",
+            "evaluate.steps",
+            "evaluate.guidance",
+        ],
+        [{"results/card": {"cache": False}}],
+    ),
 }
-PLOTS = [{"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"}}},
-         {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},
-         "results/evaluate/samples/grid.png"]
+PLOTS = [
+    {"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"}}},
+    {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},
+    "results/evaluate/samples/grid.png",
+]
 
 
 def model_paths(cfg: Config) -> tuple[str | None, str | None]:
@@ -99,7 +164,8 @@ def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
         deps.append(base)  # class images come from the base model
     model = {"base": base, "stage": stage_model}.get(stage.model or "")
     deps += ([model] if model else []) + code
-    entry = {"cmd": f"snakemake --allowed-rules {stage.rules} --forcerun {stage.rules.split()[-1]} -- {stage.target}"}
+    forced = stage.rules.split()[-1]
+    entry: dict[str, object] = {"cmd": f"snakemake --allowed-rules {stage.rules} --forcerun {forced} -- {stage.target}"}
     if deps:
         entry["deps"] = deps
     if stage.params:
@@ -139,6 +205,7 @@ def write(project: Path, cfg: Config) -> Path:
 # Code dependencies: the stage's module, every sdpipe module it imports (at module level or inside a function,
 # directly or not), and the packages around each (importing a.b runs a/__init__.py).
 
+
 def _module_file(name: str, project: Path) -> Path | None:
     base = project / Path(*name.split("."))
     return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
@@ -156,7 +223,10 @@ def _runtime_nodes(tree: ast.AST):
 
 def _imports(name: str, project: Path) -> set[str]:
     found = set()
-    for node in _runtime_nodes(ast.parse(_module_file(name, project).read_text(encoding="utf-8"))):
+    path = _module_file(name, project)
+    if path is None:
+        return set()
+    for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -176,7 +246,7 @@ def code_modules(root: str, project: Path) -> set[str]:
 
 
 def code_files(root: str, project: Path) -> set[Path]:
-    return {_module_file(m, project) for m in code_modules(root, project)}
+    return {p for m in code_modules(root, project) if (p := _module_file(m, project))}
 
 
 def main(args) -> int:

@@ -10,8 +10,12 @@ def disk_full(exc: BaseException) -> bool:
     (safetensors, torch) raise their own types, with the OS error only in the message."""
     import errno
 
-    seen = [exc]
-    while (seen[-1].__cause__ or seen[-1].__context__) and len(seen) < 20:
-        seen.append(seen[-1].__cause__ or seen[-1].__context__)
-    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
-               or "No space left on device" in str(e) or "os error 28" in str(e) for e in seen)
+    seen: list[BaseException] = [exc]
+    while (nxt := seen[-1].__cause__ or seen[-1].__context__) and len(seen) < 20:
+        seen.append(nxt)
+    return any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        or "No space left on device" in str(e)
+        or "os error 28" in str(e)
+        for e in seen
+    )

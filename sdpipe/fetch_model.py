@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe.errors import UserError
 from sdpipe.weights import WEIGHTED, weight_variant
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -47,8 +46,10 @@ def _weights(comp: str, files: list[str], variant: str | None) -> list[str]:
             return picked
         if of_kind:  # safetensors exist, just not this variant: never fall back to .bin copies
             have = sorted({weight_variant(f.split("/")[-1]) or "plain" for f in of_kind})
-            raise UserError(f"the repo has no {variant or 'plain'} {suffix} weights for {comp} (it has: "
-                            f"{', '.join(have)}); set model.variant to one of those (null = plain)")
+            raise UserError(
+                f"the repo has no {variant or 'plain'} {suffix} weights for {comp} (it has: "
+                f"{', '.join(have)}); set model.variant to one of those (null = plain)"
+            )
     raise UserError(f"the repo has no .safetensors or .bin weights for {comp}")
 
 
@@ -89,8 +90,10 @@ def fetch_repo(repo: str, revision: str | None, variant: str | None, with_weight
         wanted = component_files(index, files, variant if with_weights else None, weights=with_weights)
         folder = snapshot_download(repo, revision=revision, allow_patterns=[_literal(f) for f in wanted])
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise UserError(f"{repo}{f'@{revision}' if revision else ''} not found on the Hub (or private: set "
-                        f"HF_TOKEN): {str(exc).splitlines()[0]}") from None
+        raise UserError(
+            f"{repo}{f'@{revision}' if revision else ''} not found on the Hub (or private: set "
+            f"HF_TOKEN): {str(exc).splitlines()[0]}"
+        ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise UserError(f"cannot fetch {repo}: {str(exc).splitlines()[0]}") from None
     return Path(folder), wanted
@@ -110,8 +113,11 @@ def fetch_model(cfg: Config) -> list[str]:
     for repo, revision, with_weights in todo:
         folder, files = fetch_repo(repo, revision, cfg.model.variant, with_weights)
         sizes = {f: (folder / f).stat().st_size for f in files if (folder / f).is_file()}
-        what = f"weights{f' ({cfg.model.variant})' if cfg.model.variant else ''}, configs and tokenizers" \
-            if with_weights else "configs and tokenizers only (the weights are in the single file)"
+        what = (
+            f"weights{f' ({cfg.model.variant})' if cfg.model.variant else ''}, configs and tokenizers"
+            if with_weights
+            else "configs and tokenizers only (the weights are in the single file)"
+        )
         lines.append(f"{repo}{f'@{revision}' if revision else ''}: {what} in {folder}")
         lines += [f"  {f}  {_size(n)}" for f, n in sizes.items()]
         lines.append(f"total {_size(sum(sizes.values()))} in {len(sizes)} files")

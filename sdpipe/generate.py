@@ -40,9 +40,14 @@ def _render(pipe, batch: list[dict], settings: dict, steps: int | None = None) -
     import torch
 
     gens = [torch.Generator(device="cpu").manual_seed(job["seed"]) for job in batch]
-    return pipe([job["prompt"] for job in batch], height=settings["height"], width=settings["width"],
-                num_inference_steps=steps or settings["steps"], guidance_scale=settings["guidance"],
-                generator=gens).images
+    return pipe(
+        [job["prompt"] for job in batch],
+        height=settings["height"],
+        width=settings["width"],
+        num_inference_steps=steps or settings["steps"],
+        guidance_scale=settings["guidance"],
+        generator=gens,
+    ).images
 
 
 def generate_worker(device: str, jobs: list[dict], report, settings: dict) -> dict:
@@ -57,8 +62,15 @@ def generate_worker(device: str, jobs: list[dict], report, settings: dict) -> di
 
     start = time.perf_counter()
     dtype = torch.float16 if device.startswith("cuda") and settings["half_on_gpu"] else torch.float32
-    pipe = load_pipeline(settings["pretrained"], settings["revision"], settings["variant"], device, dtype,
-                         prediction_type=settings.get("prediction_type"), **_trained_parts(settings, dtype))
+    pipe = load_pipeline(
+        settings["pretrained"],
+        settings["revision"],
+        settings["variant"],
+        device,
+        dtype,
+        prediction_type=settings.get("prediction_type"),
+        **_trained_parts(settings, dtype),
+    )
     prepare_sampler(pipe, device, settings.get("compile", "eager"))
     batches = _batches(jobs, settings["batch_size"])
     loaded = time.perf_counter()
@@ -107,9 +119,14 @@ def generate(jobs: list[dict], devices: list[str], description: str, settings: d
     device's model loading and warm-up seconds."""
     if not jobs:
         return {"images": 0, "images_per_s": None, "load_s": None, "warmup_s": None}
-    devices = devices[:len(jobs)]  # a device without work would only load the model
+    devices = devices[: len(jobs)]  # a device without work would only load the model
     parts = parallel.run_sharded(generate_worker, jobs, devices, description, settings=settings)
     slowest = max(p["seconds"] for p in parts)
-    return {"images": len(jobs), "images_per_s": round(len(jobs) / slowest, 3) if slowest else None,
-            "load_s": round(max(p["load_s"] for p in parts), 3), "warmup_s": round(max(p["warmup_s"] for p in parts), 3),
-            "render_s": round(slowest, 3), "devices": len(devices)}
+    return {
+        "images": len(jobs),
+        "images_per_s": round(len(jobs) / slowest, 3) if slowest else None,
+        "load_s": round(max(p["load_s"] for p in parts), 3),
+        "warmup_s": round(max(p["warmup_s"] for p in parts), 3),
+        "render_s": round(slowest, 3),
+        "devices": len(devices),
+    }

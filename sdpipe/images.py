@@ -40,8 +40,9 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     return img.convert("RGB")
 
 
-def load_rgb(source: str | Path | bytes, background=(255, 255, 255), max_pixels: int = 89478485,
-             min_size: int = 1) -> Image.Image:
+def load_rgb(
+    source: str | Path | bytes, background=(255, 255, 255), max_pixels: int = 89478485, min_size: int = 1
+) -> Image.Image:
     """Open, fully decode, apply EXIF orientation and convert to RGB. Raise ImageRejected with a reason."""
     data = Path(source).read_bytes() if not isinstance(source, bytes) else source
     if not data:
@@ -52,8 +53,9 @@ def load_rgb(source: str | Path | bytes, background=(255, 255, 255), max_pixels:
     try:
         img = Image.open(io.BytesIO(data))
         if img.width * img.height > max_pixels:
-            raise ImageRejected(f"too many pixels ({img.width}x{img.height} > {max_pixels}): "
-                                "possible decompression bomb")
+            raise ImageRejected(
+                f"too many pixels ({img.width}x{img.height} > {max_pixels}): possible decompression bomb"
+            )
         img.load()
         img = ImageOps.exif_transpose(img)
         rgb = _to_rgb(img, tuple(background))
@@ -69,8 +71,9 @@ def load_rgb(source: str | Path | bytes, background=(255, 255, 255), max_pixels:
     return rgb
 
 
-def load_checked(path: str | Path, image_id: str, background=(255, 255, 255),
-                 max_pixels: int = 89478485) -> Image.Image:
+def load_checked(
+    path: str | Path, image_id: str, background=(255, 255, 255), max_pixels: int = 89478485
+) -> Image.Image:
     """load_rgb for a later stage: the bytes must still be the ones prepare named `image_id`."""
     from sdpipe.hashing import sha256_bytes
 

@@ -20,9 +20,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; on success fsync it and rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    tmp = Path(tmp)
+    tmp = Path(name)
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -78,7 +78,7 @@ def _sweep_dead_writers(path: Path) -> None:
     import shutil
 
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*"):
-        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        pid = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
         if tmp.is_dir() and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -36,11 +36,22 @@ def progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
         yield lambda n=1: None
         return
     if interactive():
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, transient=False) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n=1: bar.advance(task, n)
@@ -59,8 +70,9 @@ def _log_lines(total: int, description: str, log: logging.Logger, every_s: float
         state["done"] += n
         if state["first"] is None:
             state["first"] = (state["done"], now)
-            log.info("%s: %d/%d after %.1f s (warm-up: loading, compiling)", description, state["done"], total,
-                     now - start)
+            log.info(
+                "%s: %d/%d after %.1f s (warm-up: loading, compiling)", description, state["done"], total, now - start
+            )
             return
         due = state["done"] >= state["next"] or now - state["logged"] >= every_s or state["done"] == total
         if not due:
@@ -68,8 +80,9 @@ def _log_lines(total: int, description: str, log: logging.Logger, every_s: float
         done0, t0 = state["first"]
         rate = (state["done"] - done0) / max(now - t0, 1e-9)
         left = (total - state["done"]) / rate if rate > 0 else float("inf")
-        log.info("%s: %d/%d (%.2f/s after warm-up, %s left)", description, state["done"], total, rate,
-                 format_seconds(left))
+        log.info(
+            "%s: %d/%d (%.2f/s after warm-up, %s left)", description, state["done"], total, rate, format_seconds(left)
+        )
         state["next"], state["logged"] = state["done"] + max(1, total // 10), now
 
     return advance

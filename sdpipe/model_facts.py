@@ -5,9 +5,9 @@ build, the preset's own configs; for weights not found locally, None (check-conf
 
 from __future__ import annotations
 
-from sdpipe.errors import UserError
-
 from typing import TYPE_CHECKING
+
+from sdpipe.errors import UserError
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -62,8 +62,12 @@ def check(cfg: Config) -> None:
     unet, vae = found
     b, multiple, native = cfg.prepare.buckets, bucket_multiple(*found), native_resolution(*found)
     if b.step % multiple:
-        raise UserError(f"config: prepare.buckets.step = {b.step} must be a multiple of {multiple} for "
-                        f"{cfg.model.pretrained} (its VAE and UNet downsample by {multiple}); use step: 64 for SD models")
+        raise UserError(
+            f"config: prepare.buckets.step = {b.step} must be a multiple of {multiple} for "
+            f"{cfg.model.pretrained} (its VAE and UNet downsample by {multiple}); use step: 64 for SD models"
+        )
     if b.resolution * 2 < native:
-        raise UserError(f"config: prepare.buckets.resolution = {b.resolution} for a model made for {native} px "
-                        f"({cfg.model.pretrained}); train at {native} (or at least {native // 2})")
+        raise UserError(
+            f"config: prepare.buckets.resolution = {b.resolution} for a model made for {native} px "
+            f"({cfg.model.pretrained}); train at {native} (or at least {native // 2})"
+        )

@@ -83,8 +83,10 @@ def _run_processes(worker: Worker, parts: list[list], devices: list[str], advanc
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // len(devices))
-    procs = [ctx.Process(target=_entry, args=(worker, i, dev, part, threads, q, kwargs), daemon=True)
-             for i, (dev, part) in enumerate(zip(devices, parts))]
+    procs = [
+        ctx.Process(target=_entry, args=(worker, i, dev, part, threads, q, kwargs), daemon=True)
+        for i, (dev, part) in enumerate(zip(devices, parts))
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

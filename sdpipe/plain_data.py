@@ -22,5 +22,6 @@ def check(path: str | Path, what: str) -> None:
     except pickle.UnpicklingError as exc:
         found = re.search(r"(?i)unsupported global:? (?:GLOBAL )?([\w.]+)", str(exc))  # torch's wording varies
         if found:  # anything else (a damaged file) is left to the loader, which names its own error
-            raise UserError(f"{path} ({what}) holds a pickled {found.group(1)}, not plain data; sdpipe will not "
-                            f"unpickle it") from None
+            raise UserError(
+                f"{path} ({what}) holds a pickled {found.group(1)}, not plain data; sdpipe will not unpickle it"
+            ) from None

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import model_facts
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -40,8 +39,10 @@ def _unet_config(cfg: Config) -> dict | None:
 def _model(cfg: Config, unet: dict | None) -> str:
     m = cfg.model
     if m.build_preset:
-        return f"model: a random-init {m.build_preset} preset built at {m.pretrained} (the demo's; real weights need " \
-               f"model.build_preset: null)"
+        return (
+            f"model: a random-init {m.build_preset} preset built at {m.pretrained} (the demo's; real weights need "
+            f"model.build_preset: null)"
+        )
     from sdpipe import single_file, weights
 
     if single_file.is_checkpoint(m.pretrained):
@@ -56,14 +57,21 @@ def _model(cfg: Config, unet: dict | None) -> str:
     except UserError as exc:
         return f"model: NOT FOUND: {exc}"
     kind = "local folder" if weights.is_local(m.pretrained) else f"hub id in the cache ({where})"
-    name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[model_facts.family(unet)] if unet else "unknown family (no unet/config.json)"
+    name = (
+        {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[model_facts.family(unet)]
+        if unet
+        else "unknown family (no unet/config.json)"
+    )
     return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
 
 
 def _training(cfg: Config) -> str:
     t = cfg.train
-    what = f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the UNet" if t.mode == "lora" else \
-        "full fine-tune of the UNet"
+    what = (
+        f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the UNet"
+        if t.mode == "lora"
+        else "full fine-tune of the UNet"
+    )
     extra = [f"text encoder: {t.text_encoder.mode}"]
     if cfg.model.train_vae.enabled:
         extra.append(f"the VAE trained first ({cfg.model.train_vae.steps} steps)")
@@ -74,8 +82,10 @@ def _training(cfg: Config) -> str:
 
 def _images(cfg: Config) -> str:
     b = cfg.prepare.buckets
-    return (f"images: buckets of about {b.resolution} px (sides multiples of {b.step}, aspect up to {b.max_aspect}); "
-            f"latents {cfg.latents.dtype}; mixed precision {cfg.train.mixed_precision}")
+    return (
+        f"images: buckets of about {b.resolution} px (sides multiples of {b.step}, aspect up to {b.max_aspect}); "
+        f"latents {cfg.latents.dtype}; mixed precision {cfg.train.mixed_precision}"
+    )
 
 
 def _processes(cfg: Config) -> tuple[int, int]:
@@ -101,22 +111,27 @@ def _schedule(cfg: Config) -> str:
     t = cfg.train
     gpus, procs = _processes(cfg)
     batch = procs * t.per_device_batch_size * t.grad_accum_steps
-    head = (f"schedule: {gpus} GPU(s) here, {procs} process(es) x {t.per_device_batch_size} per device x "
-            f"{t.grad_accum_steps} accumulation = global batch {batch}")
+    head = (
+        f"schedule: {gpus} GPU(s) here, {procs} process(es) x {t.per_device_batch_size} per device x "
+        f"{t.grad_accum_steps} accumulation = global batch {batch}"
+    )
     images = _training_images(cfg)
     if not images:
         steps = f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs} epoch(s)"
         return f"{head}; {steps} (no images in {cfg.data.raw_dir} yet to count epochs)"
     if t.max_steps:
-        return f"{head}; {t.max_steps} optimizer steps, about {t.max_steps * batch / images:.1f} epochs of {images} images"
+        return (
+            f"{head}; {t.max_steps} optimizer steps, about {t.max_steps * batch / images:.1f} epochs of {images} images"
+        )
     return f"{head}; {t.epochs} epoch(s) of {images} images, about {t.epochs * math.ceil(images / batch)} steps"
 
 
-def memory_gb(family: str, unet_params: int, mode: str, per_device_batch: int, resolution: int,
-              checkpointing: bool) -> tuple[float, float]:
+def memory_gb(
+    family: str, unet_params: int, mode: str, per_device_batch: int, resolution: int, checkpointing: bool
+) -> tuple[float, float]:
     """(weights and optimizer state, activations) in GB per GPU, by the rule of thumb above."""
     state = unet_params * BYTES_PER_PARAM[mode] / 1e9
-    acts = per_device_batch * resolution ** 2 / 1e6 * ACTIVATION_GB_PER_MP[family]
+    acts = per_device_batch * resolution**2 / 1e6 * ACTIVATION_GB_PER_MP[family]
     return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
 
 
@@ -129,10 +144,18 @@ def _memory(cfg: Config, unet: dict | None) -> str:
     with init_empty_weights():
         params = sum(p.numel() for p in UNet2DConditionModel.from_config(unet).parameters())
     t = cfg.train
-    state, acts = memory_gb(model_facts.family(unet), params, t.mode, t.per_device_batch_size, cfg.prepare.buckets.resolution,
-                            t.gradient_checkpointing)
-    return (f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M UNet parameters: {state:.1f} GB of "
-            f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)")
+    state, acts = memory_gb(
+        model_facts.family(unet),
+        params,
+        t.mode,
+        t.per_device_batch_size,
+        cfg.prepare.buckets.resolution,
+        t.gradient_checkpointing,
+    )
+    return (
+        f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M UNet parameters: {state:.1f} GB of "
+        f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)"
+    )
 
 
 def _outputs(cfg: Config) -> str:
@@ -140,5 +163,6 @@ def _outputs(cfg: Config) -> str:
 
     exported = for_config(cfg).files()
     files = [f"results/export/{path}" + ("/" if name == "diffusers" else "") for name, path in exported.items()]
-    return "outputs: " + ", ".join(files + ["results/evaluate/metrics.json", "results/report/index.html",
-                                            "results/card/README.md"])
+    return "outputs: " + ", ".join(
+        files + ["results/evaluate/metrics.json", "results/report/index.html", "results/card/README.md"]
+    )

@@ -38,25 +38,48 @@ class Plan:
     commands: list
 
     def as_dict(self) -> dict:
-        return {"gpus": self.gpus, "workspace": str(self.workspace), "project": str(self.project), "env": self.env,
-                "accelerate_config": str(self.accelerate_config), "commands": self.commands}
+        return {
+            "gpus": self.gpus,
+            "workspace": str(self.workspace),
+            "project": str(self.project),
+            "env": self.env,
+            "accelerate_config": str(self.accelerate_config),
+            "commands": self.commands,
+        }
 
 
 def cache_env(workspace: Path) -> dict[str, str]:
     """Every cache on the volume, so a restarted pod downloads and compiles nothing twice."""
     cache = workspace / ".cache"
-    return {"HF_HOME": str(cache / "huggingface"), "TORCH_HOME": str(cache / "torch"),
-            "XDG_CACHE_HOME": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
-            "TRITON_CACHE_DIR": str(cache / "triton"), "PIP_CACHE_DIR": str(cache / "pip")}
+    return {
+        "HF_HOME": str(cache / "huggingface"),
+        "TORCH_HOME": str(cache / "torch"),
+        "XDG_CACHE_HOME": str(cache),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "PIP_CACHE_DIR": str(cache / "pip"),
+    }
 
 
 def accelerate_settings(gpus: int) -> dict:
     """accelerate's default_config.yaml for this machine. `sdpipe train` passes its own launch flags; this makes
     a hand-run `accelerate launch` on the pod match."""
-    return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
-            "num_processes": max(gpus, 1), "num_machines": 1, "machine_rank": 0, "gpu_ids": "all",
-            "mixed_precision": "bf16", "use_cpu": gpus == 0, "dynamo_config": {}, "main_training_function": "main",
-            "rdzv_backend": "static", "same_network": True, "tpu_use_cluster": False, "tpu_use_sudo": False}
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
+        "num_processes": max(gpus, 1),
+        "num_machines": 1,
+        "machine_rank": 0,
+        "gpu_ids": "all",
+        "mixed_precision": "bf16",
+        "use_cpu": gpus == 0,
+        "dynamo_config": {},
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+    }
 
 
 def snakemake_commands(gpus: int, target: str, extra: str) -> list[list[str]]:
@@ -69,8 +92,14 @@ def plan(environ: dict, gpus: int) -> Plan:
     workspace = Path(environ.get("SDPIPE_WORKSPACE", "/workspace"))
     project = Path(environ.get("SDPIPE_PROJECT", str(workspace / "project")))
     env = cache_env(workspace)
-    return Plan(gpus, workspace, project, env, Path(env["HF_HOME"]) / "accelerate" / "default_config.yaml",
-                snakemake_commands(gpus, environ.get("SDPIPE_TARGET", ""), environ.get("SDPIPE_SNAKEMAKE_ARGS", "")))
+    return Plan(
+        gpus,
+        workspace,
+        project,
+        env,
+        Path(env["HF_HOME"]) / "accelerate" / "default_config.yaml",
+        snakemake_commands(gpus, environ.get("SDPIPE_TARGET", ""), environ.get("SDPIPE_SNAKEMAKE_ARGS", "")),
+    )
 
 
 def seed_project(project: Path, source: Path = IMAGE_PROJECT) -> bool:
@@ -94,8 +123,7 @@ def prepare(p: Plan) -> None:
     seed_project(p.project)
     io.write_yaml(p.accelerate_config, accelerate_settings(p.gpus))
     if (p.project / ".dvc").is_dir() and shutil.which("dvc"):
-        subprocess.run(["dvc", "cache", "dir", "--local", str(p.workspace / ".dvc-cache")], cwd=p.project,
-                       check=True)
+        subprocess.run(["dvc", "cache", "dir", "--local", str(p.workspace / ".dvc-cache")], cwd=p.project, check=True)
 
 
 def add_arguments(parser) -> None:
@@ -122,8 +150,11 @@ def run(args) -> int:
         if code:
             break
     if os.environ.get("SDPIPE_KEEP_ALIVE", "1") == "1":
-        print(f"sdpipe pod: finished with exit code {code}; staying up so results can be synced. "
-              "Stop billing with `sdpipe runpod down`.", flush=True)
+        print(
+            f"sdpipe pod: finished with exit code {code}; staying up so results can be synced. "
+            "Stop billing with `sdpipe runpod down`.",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     return code

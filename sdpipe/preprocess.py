@@ -11,8 +11,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from PIL import Image
 
-RESAMPLE = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
-            "bilinear": Image.Resampling.BILINEAR}
+RESAMPLE = {
+    "lanczos": Image.Resampling.LANCZOS,
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+}
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from sdpipe import templates
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -32,8 +31,10 @@ def workflow_source() -> Path:
     for place in (pod.IMAGE_PROJECT, SOURCE_CHECKOUT):
         if (place / "Snakefile").is_file():
             return place
-    raise UserError("no workflow to copy (no Snakefile in the Docker image's project or beside the sdpipe package); "
-                    "run `sdpipe init` from a clone of sdpipe or in the sdpipe image")
+    raise UserError(
+        "no workflow to copy (no Snakefile in the Docker image's project or beside the sdpipe package); "
+        "run `sdpipe init` from a clone of sdpipe or in the sdpipe image"
+    )
 
 
 def prompts_from(images: Path, given: list[str], instance_prompt: str | None) -> list[str]:
@@ -51,26 +52,37 @@ def prompts_from(images: Path, given: list[str], instance_prompt: str | None) ->
     texts = [t for t in texts if t] or [clean_stem(Path(f).stem) for f in files[:MAX_PROMPTS]]
     texts = [t for t in texts if t]
     if not texts:
-        raise UserError(f"no images in {images} to take prompts from; give --prompt \"...\" (repeatable)")
+        raise UserError(f'no images in {images} to take prompts from; give --prompt "..." (repeatable)')
     return texts
 
 
-def job_settings(template: str, images: Path, model: str, prompts: list[str], revision: str | None = None,
-                 variant: str | None = None, instance_prompt: str | None = None,
-                 class_prompt: str | None = None) -> dict:
+def job_settings(
+    template: str,
+    images: Path,
+    model: str,
+    prompts: list[str],
+    revision: str | None = None,
+    variant: str | None = None,
+    instance_prompt: str | None = None,
+    class_prompt: str | None = None,
+) -> dict:
     """The project's config: the template's settings plus what only the user knows."""
     from sdpipe.config import merge
 
     base = templates.settings(template)
     dreambooth = base.get("dreambooth", {}).get("enabled", False)
     if dreambooth and not (instance_prompt and class_prompt):
-        raise UserError(f"template {template} trains a subject: give --instance-prompt (e.g. \"a photo of sks dog\") "
-                        f"and --class-prompt (e.g. \"a photo of a dog\")")
-    mine = {"data": {"raw_dir": str(images)},
-            "model": {"pretrained": model, "revision": revision, "variant": variant},
-            "train": {"validation": {"prompts": prompts}},
-            "export": {"verify": {"prompt": prompts[0]}},
-            "evaluate": {"prompts": prompts}}
+        raise UserError(
+            f'template {template} trains a subject: give --instance-prompt (e.g. "a photo of sks dog") '
+            f'and --class-prompt (e.g. "a photo of a dog")'
+        )
+    mine = {
+        "data": {"raw_dir": str(images)},
+        "model": {"pretrained": model, "revision": revision, "variant": variant},
+        "train": {"validation": {"prompts": prompts}},
+        "export": {"verify": {"prompt": prompts[0]}},
+        "evaluate": {"prompts": prompts},
+    }
     if dreambooth:
         mine["caption"] = {"chain": ["template"], "template": instance_prompt}
         mine["dreambooth"] = {"class_prompt": class_prompt}
@@ -78,7 +90,12 @@ def job_settings(template: str, images: Path, model: str, prompts: list[str], re
 
 
 def _dump(value) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True).strip().removesuffix("...").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True)
+        .strip()
+        .removesuffix("...")
+        .strip()
+    )
 
 
 def render(settings: dict, notes: dict[tuple[str, ...], str], header: list[str]) -> str:
@@ -124,13 +141,23 @@ def _check_family(template: str, cfg: Config) -> None:
     family = _model_family(cfg)
     if family and family != templates.family(template):
         kind = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[family]
-        raise UserError(f"{cfg.model.pretrained} is an {kind} model and template {template} is for "
-                        f"{'SDXL' if templates.family(template) == 'sdxl' else 'SD 1.x/2.x'}; pick another "
-                        f"template (sdpipe init --list)")
+        raise UserError(
+            f"{cfg.model.pretrained} is an {kind} model and template {template} is for "
+            f"{'SDXL' if templates.family(template) == 'sdxl' else 'SD 1.x/2.x'}; pick another "
+            f"template (sdpipe init --list)"
+        )
 
 
-def init(folder: Path, template: str, images: Path, model: str, prompts: list[str], force: bool = False,
-         source: Path | None = None, **extra) -> Path:
+def init(
+    folder: Path,
+    template: str,
+    images: Path,
+    model: str,
+    prompts: list[str],
+    force: bool = False,
+    source: Path | None = None,
+    **extra,
+) -> Path:
     """Write the project (the workflow copied from `source`, default workflow_source()); return its config file.
     Nothing is written when any check fails."""
     from sdpipe import config, dvc_file, io, pod
@@ -141,14 +168,18 @@ def init(folder: Path, template: str, images: Path, model: str, prompts: list[st
     target = folder / "config" / "config.yaml"
     if (folder / "Snakefile").is_file() and target.is_file() and not force:
         raise UserError(f"{target} exists; use another folder, or --force to replace it")
-    settings = job_settings(template, images, _absolute(model), prompts_from(images, prompts, extra.get(
-        "instance_prompt")), **extra)
+    settings = job_settings(
+        template, images, _absolute(model), prompts_from(images, prompts, extra.get("instance_prompt")), **extra
+    )
     cfg = config.from_dict(settings)
     config.check_user_config(cfg)
     _check_family(template, cfg)
-    header = [f"sdpipe job from template {template}: {templates.summary(template)}",
-              "Keys not listed take the schema's defaults; `sdpipe check-config --print` shows every effective value.",
-              f"Written by: sdpipe init --template {template} (edit freely)", ""]
+    header = [
+        f"sdpipe job from template {template}: {templates.summary(template)}",
+        "Keys not listed take the schema's defaults; `sdpipe check-config --print` shows every effective value.",
+        f"Written by: sdpipe init --template {template} (edit freely)",
+        "",
+    ]
     pod.seed_project(folder, source or workflow_source())
     target.parent.mkdir(parents=True, exist_ok=True)
     io.write_text(target, render(settings, templates.comments(template), header))
@@ -164,8 +195,8 @@ def add_arguments(p) -> None:
     p.add_argument("--revision", help="hub revision (branch, tag or commit) of the model")
     p.add_argument("--variant", help="weight variant, e.g. fp16")
     p.add_argument("--prompt", action="append", default=[], help="a validation/evaluation prompt (repeatable)")
-    p.add_argument("--instance-prompt", help="DreamBooth: the caption of your subject's photos (\"a photo of sks dog\")")
-    p.add_argument("--class-prompt", help="DreamBooth: its class (\"a photo of a dog\")")
+    p.add_argument("--instance-prompt", help='DreamBooth: the caption of your subject\'s photos ("a photo of sks dog")')
+    p.add_argument("--class-prompt", help='DreamBooth: its class ("a photo of a dog")')
     p.add_argument("--force", action="store_true", help="replace an existing config/config.yaml")
     p.add_argument("--list", action="store_true", help="list the templates and exit")
 
@@ -179,9 +210,18 @@ def run(args) -> int:
     if missing:
         raise UserError(f"init needs --{', --'.join(missing)} (sdpipe init --list shows the templates)")
     folder = Path(args.folder)
-    target = init(folder, args.template, Path(args.images), args.model, args.prompt, args.force,
-                  revision=args.revision, variant=args.variant, instance_prompt=args.instance_prompt,
-                  class_prompt=args.class_prompt)
+    target = init(
+        folder,
+        args.template,
+        Path(args.images),
+        args.model,
+        args.prompt,
+        args.force,
+        revision=args.revision,
+        variant=args.variant,
+        instance_prompt=args.instance_prompt,
+        class_prompt=args.class_prompt,
+    )
     print(f"wrote {target}")
     from sdpipe import plan
     from sdpipe.config import load
@@ -193,6 +233,8 @@ def run(args) -> int:
             print(f"  {line}")
     finally:
         os.chdir(previous)
-    where = "" if folder.resolve() == Path.cwd() else f"cd {json.dumps(str(folder)) if ' ' in str(folder) else folder} && "
+    where = (
+        "" if folder.resolve() == Path.cwd() else f"cd {json.dumps(str(folder)) if ' ' in str(folder) else folder} && "
+    )
     print(f"next: {where}snakemake --profile runpod")
     return 0

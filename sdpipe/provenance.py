@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-PACKAGES = ("sdpipe", "torch", "diffusers", "transformers", "accelerate", "peft", "open-clip-torch", "torch-fidelity",
-            "snakemake", "dvc")
+PACKAGES = (
+    "sdpipe",
+    "torch",
+    "diffusers",
+    "transformers",
+    "accelerate",
+    "peft",
+    "open-clip-torch",
+    "torch-fidelity",
+    "snakemake",
+    "dvc",
+)
 
 
 def package_versions(names=PACKAGES) -> dict[str, str | None]:
@@ -24,8 +34,11 @@ def git_state() -> tuple[str, bool]:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=10).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
     return commit or "unknown", dirty
@@ -41,10 +54,18 @@ def gpu_facts() -> dict:
     driver = None
     if count:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout.split()
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
             driver = out[0] if out else None
         except (OSError, subprocess.SubprocessError):
             driver = None
-    return {"name": torch.cuda.get_device_name(0) if count else None, "count": count, "driver": driver,
-            "cuda": torch.version.cuda}
+    return {
+        "name": torch.cuda.get_device_name(0) if count else None,
+        "count": count,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+    }

@@ -35,10 +35,12 @@ def add_arguments(parser) -> None:
     up.add_argument("--target", default="", help="Snakemake targets (default: the whole pipeline)")
     up.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     up.add_argument("--yes", action="store_true", help="create without asking")
-    for name, text in (("status", "the pod's state, GPUs, price and SSH address"),
-                       ("logs", "how to follow the pod's logs"),
-                       ("sync", "copy results/ (exports included) back from the pod with rsync over SSH"),
-                       ("down", "stop the pod (GPU billing ends; the volume is kept) or --terminate it")):
+    for name, text in (
+        ("status", "the pod's state, GPUs, price and SSH address"),
+        ("logs", "how to follow the pod's logs"),
+        ("sync", "copy results/ (exports included) back from the pod with rsync over SSH"),
+        ("down", "stop the pod (GPU billing ends; the volume is kept) or --terminate it"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--pod", help="pod id (default: the last one `up` created here)")
         if name == "sync":
@@ -81,8 +83,9 @@ def redact(text: str, key: str | None) -> str:
 
 def _one_line(text: str) -> UserError:
     if "no longer any instances available" in text or "not available" in text.lower():
-        return UserError(f"Runpod has no capacity for this request ({text}); try another --gpu-type, fewer "
-                         "--gpus or --cloud ALL")
+        return UserError(
+            f"Runpod has no capacity for this request ({text}); try another --gpu-type, fewer --gpus or --cloud ALL"
+        )
     return UserError(f"Runpod API: {text}")
 
 
@@ -107,19 +110,32 @@ def up(args) -> int:
         raise UserError(f"--gpus {args.gpus}: a {gpu['displayName']} pod has at most {gpu['maxGpuCount']}")
     price = price_per_gpu_hour(gpu, args.cloud)
     cost = "price unknown" if price is None else f"${price:.2f}/GPU/h, about ${price * args.gpus:.2f}/h"
-    print(f"{args.gpus} x {gpu.get('displayName', args.gpu_type)} ({args.cloud.lower()} cloud): {cost}, plus "
-          f"{args.volume_gb} GB volume and {args.disk_gb} GB disk; image {args.image}")
+    print(
+        f"{args.gpus} x {gpu.get('displayName', args.gpu_type)} ({args.cloud.lower()} cloud): {cost}, plus "
+        f"{args.volume_gb} GB volume and {args.disk_gb} GB disk; image {args.image}"
+    )
     if not args.yes and input("Create this pod? [y/N] ").strip().lower() not in ("y", "yes"):
         print("nothing created")
         return 1
     env = dict(kv.split("=", 1) for kv in args.env)
     env.update({"SDPIPE_TARGET": args.target} if args.target else {})
-    pod = _call(rp.create_pod, args.name, args.image, args.gpu_type, cloud_type=args.cloud, gpu_count=args.gpus,
-                volume_in_gb=args.volume_gb, container_disk_in_gb=args.disk_gb, volume_mount_path=WORKSPACE,
-                ports="22/tcp", env=env, support_public_ip=True, start_ssh=True)
+    pod = _call(
+        rp.create_pod,
+        args.name,
+        args.image,
+        args.gpu_type,
+        cloud_type=args.cloud,
+        gpu_count=args.gpus,
+        volume_in_gb=args.volume_gb,
+        container_disk_in_gb=args.disk_gb,
+        volume_mount_path=WORKSPACE,
+        ports="22/tcp",
+        env=env,
+        support_public_ip=True,
+        start_ssh=True,
+    )
     io.write_json(STATE, {"id": pod["id"], "gpus": args.gpus, "gpu_type": args.gpu_type, "image": args.image})
-    print(f"created pod {pod['id']}; follow it with `sdpipe runpod status` and stop billing with "
-          "`sdpipe runpod down`")
+    print(f"created pod {pod['id']}; follow it with `sdpipe runpod status` and stop billing with `sdpipe runpod down`")
     return 0
 
 
@@ -138,17 +154,21 @@ def status(args) -> int:
         raise UserError(f"no pod {_pod_id(args)} on this account")
     ssh = _ssh(pod)
     gpu = (pod.get("machine") or {}).get("gpuDisplayName", "?")
-    print(f"pod {pod['id']} ({pod.get('name')}): {pod.get('desiredStatus')}, {pod.get('gpuCount')} x {gpu}, "
-          f"${pod.get('costPerHr')}/h, up {pod.get('uptimeSeconds') or 0} s"
-          + (f", ssh -p {ssh[1]} root@{ssh[0]}" if ssh else ", no SSH address yet"))
+    print(
+        f"pod {pod['id']} ({pod.get('name')}): {pod.get('desiredStatus')}, {pod.get('gpuCount')} x {gpu}, "
+        f"${pod.get('costPerHr')}/h, up {pod.get('uptimeSeconds') or 0} s"
+        + (f", ssh -p {ssh[1]} root@{ssh[0]}" if ssh else ", no SSH address yet")
+    )
     return 0
 
 
 def logs(args) -> int:
     pod_id = _pod_id(args)
-    print(f"The container's output: https://www.runpod.io/console/pods/{pod_id} (Logs). Each rule's log, once SSH "
-          f"is up (`sdpipe runpod status` prints the address): ssh -p PORT root@IP "
-          f"'tail -F {WORKSPACE}/project/logs/*.log'")
+    print(
+        f"The container's output: https://www.runpod.io/console/pods/{pod_id} (Logs). Each rule's log, once SSH "
+        f"is up (`sdpipe runpod status` prints the address): ssh -p PORT root@IP "
+        f"'tail -F {WORKSPACE}/project/logs/*.log'"
+    )
     return 0
 
 
@@ -158,8 +178,15 @@ def sync(args) -> int:
     ssh = _ssh(pod or {})
     if not ssh:
         raise UserError("the pod has no public SSH port yet; see `sdpipe runpod status`")
-    cmd = ["rsync", "-az", "--partial", "-e", f"ssh -p {ssh[1]} -o StrictHostKeyChecking=accept-new",
-           f"root@{ssh[0]}:{WORKSPACE}/project/results/", str(Path(args.dest) / "results") + "/"]
+    cmd = [
+        "rsync",
+        "-az",
+        "--partial",
+        "-e",
+        f"ssh -p {ssh[1]} -o StrictHostKeyChecking=accept-new",
+        f"root@{ssh[0]}:{WORKSPACE}/project/results/",
+        str(Path(args.dest) / "results") + "/",
+    ]
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     if subprocess.run(cmd).returncode:
         raise UserError("rsync failed (see above); or push from the pod: ssh in and run `dvc push` to your remote")
@@ -178,8 +205,10 @@ def down(args) -> int:
         print(f"terminated pod {pod_id}: nothing is billed any more")
         return 0
     _call(rp.stop_pod, pod_id)
-    print(f"stopped pod {pod_id}: GPU billing ended; its volume is kept (and billed) until "
-          "`sdpipe runpod down --terminate`")
+    print(
+        f"stopped pod {pod_id}: GPU billing ended; its volume is kept (and billed) until "
+        "`sdpipe runpod down --terminate`"
+    )
     return 0
 
 

@@ -51,8 +51,10 @@ def configure(cache_dir: str | Path, config: str | None) -> None:
 
 def settings() -> Settings:
     if _settings is None:
-        raise RuntimeError("sdpipe.single_file.configure(cache_dir, config) must run before a single-file checkpoint "
-                           "is resolved (sdpipe.config.load does it)")
+        raise RuntimeError(
+            "sdpipe.single_file.configure(cache_dir, config) must run before a single-file checkpoint "
+            "is resolved (sdpipe.config.load does it)"
+        )
     return _settings
 
 
@@ -82,8 +84,10 @@ def safetensors_header(path: str | Path) -> dict:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if 8 + length + end > size:
-        raise UserError(f"{path} is truncated: its header describes {8 + length + end} bytes, the file has {size} "
-                        f"(an interrupted download or copy?)")
+        raise UserError(
+            f"{path} is truncated: its header describes {8 + length + end} bytes, the file has {size} "
+            f"(an interrupted download or copy?)"
+        )
     return tensors
 
 
@@ -107,13 +111,15 @@ def tensor_info(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def family(path: str | Path, info: dict) -> str:
-    """"sdxl" or "sd" from the checkpoint's key names (the original SGM / CompVis layouts), or a UserError that
+    """ "sdxl" or "sd" from the checkpoint's key names (the original SGM / CompVis layouts), or a UserError that
     says what the file is instead."""
     has = lambda prefix: any(k.startswith(prefix) for k in info)
     unet_in = info.get("model.diffusion_model.input_blocks.0.0.weight")
     if unet_in and len(unet_in[0]) == 4 and unet_in[0][1] != 4:
-        raise UserError(f"{path} is an inpainting or other {unet_in[0][1]}-channel checkpoint; sdpipe fine-tunes "
-                        f"text-to-image SD 1.x/2.x and SDXL models (4 latent channels)")
+        raise UserError(
+            f"{path} is an inpainting or other {unet_in[0][1]}-channel checkpoint; sdpipe fine-tunes "
+            f"text-to-image SD 1.x/2.x and SDXL models (4 latent channels)"
+        )
     if has("conditioner.embedders.1."):
         return "sdxl"
     if has("conditioner.embedders.0.model."):
@@ -121,10 +127,13 @@ def family(path: str | Path, info: dict) -> str:
     if has("model.diffusion_model.") and has("cond_stage_model."):
         return "sd"
     if has("lora_") or any(".lora_" in k or "lora_down" in k for k in info):
-        raise UserError(f"{path} is a LoRA file, not a base model; model.pretrained must be the full checkpoint it "
-                        f"was trained on")
-    raise UserError(f"{path} is not an SD 1.x/2.x or SDXL checkpoint (no model.diffusion_model. and "
-                    f"cond_stage_model. or conditioner. keys; {len(info)} tensors)")
+        raise UserError(
+            f"{path} is a LoRA file, not a base model; model.pretrained must be the full checkpoint it was trained on"
+        )
+    raise UserError(
+        f"{path} is not an SD 1.x/2.x or SDXL checkpoint (no model.diffusion_model. and "
+        f"cond_stage_model. or conditioner. keys; {len(info)} tensors)"
+    )
 
 
 def default_config(info: dict) -> str:
@@ -149,21 +158,28 @@ def config_folder(path: str | Path, source: str, fam: str) -> Path:
     try:
         root = weights.resolve(source)
     except UserError:
-        raise UserError(f"{path} is a single-file {fam} checkpoint; converting it needs the diffusers configs and "
-                        f"tokenizers of {source} ({KEY}; null picks diffusers' default for the checkpoint's type), "
-                        f"which are not in the local Hugging Face cache: where there is internet run `sdpipe "
-                        f"fetch-model --config <your config>` (configs and tokenizers only, no weights) and copy the "
-                        f"cache here, or set {KEY} to a local diffusers folder of this architecture") from None
+        raise UserError(
+            f"{path} is a single-file {fam} checkpoint; converting it needs the diffusers configs and "
+            f"tokenizers of {source} ({KEY}; null picks diffusers' default for the checkpoint's type), "
+            f"which are not in the local Hugging Face cache: where there is internet run `sdpipe "
+            f"fetch-model --config <your config>` (configs and tokenizers only, no weights) and copy the "
+            f"cache here, or set {KEY} to a local diffusers folder of this architecture"
+        ) from None
     if not (root / "model_index.json").is_file():
-        raise UserError(f"{KEY} = {source}: {root} has no model_index.json; it must be a diffusers pipeline of the "
-                        f"checkpoint's architecture (e.g. stabilityai/stable-diffusion-xl-base-1.0)")
+        raise UserError(
+            f"{KEY} = {source}: {root} has no model_index.json; it must be a diffusers pipeline of the "
+            f"checkpoint's architecture (e.g. stabilityai/stable-diffusion-xl-base-1.0)"
+        )
     return root
 
 
 def config_files(root: Path) -> list[Path]:
     """The small files of a config folder that a conversion may read (and that key the converted folder)."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in CONFIG_SUFFIXES
-                  and ".cache" not in p.relative_to(root).parts)
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix in CONFIG_SUFFIXES and ".cache" not in p.relative_to(root).parts
+    )
 
 
 def converted_name(file_sha: str, config_hashes: list[tuple[str, str]]) -> str:
@@ -211,23 +227,29 @@ def convert(path: Path, fam: str, root: Path, configs: list[Path], out: Path, dt
 
     from sdpipe.models import families
 
-    logging.getLogger(__name__).info("converting single-file %s checkpoint %s to a diffusers folder at %s (once)",
-                                     fam, path, out)
+    logging.getLogger(__name__).info(
+        "converting single-file %s checkpoint %s to a diffusers folder at %s (once)", fam, path, out
+    )
     cls = families.FAMILIES[fam].pipeline()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".configs.", dir=out.parent) as config_copy, \
-            tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix=".configs.", dir=out.parent) as config_copy,
+        tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp,
+    ):
         for p in configs:
             dest = Path(config_copy) / p.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(p, dest)
         try:
-            pipe = cls.from_single_file(str(path), config=config_copy, local_files_only=True,
-                                        torch_dtype=getattr(torch, dtype))
+            pipe = cls.from_single_file(
+                str(path), config=config_copy, local_files_only=True, torch_dtype=getattr(torch, dtype)
+            )
         except (OSError, ValueError, KeyError, RuntimeError, SingleFileComponentError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"cannot convert {path} as a single-file {fam} checkpoint with the configs of {root}: "
-                            f"{first} (is {KEY} the right architecture?)") from None
+            raise UserError(
+                f"cannot convert {path} as a single-file {fam} checkpoint with the configs of {root}: "
+                f"{first} (is {KEY} the right architecture?)"
+            ) from None
         built = Path(tmp) / "model"
         pipe.save_pretrained(built, safe_serialization=True)
         if out.exists() and not (out / "model_index.json").is_file():

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 EVAL_IMAGES = 256
 
 
-def load_pixels(paths: list[Path], resolution: int, background=(255, 255, 255),
-                interpolation: str = "lanczos") -> torch.Tensor:
+def load_pixels(
+    paths: list[Path], resolution: int, background=(255, 255, 255), interpolation: str = "lanczos"
+) -> torch.Tensor:
     """[N, 3, R, R] uint8: each image decoded, scaled to cover the square bucket and centre-cropped."""
     if not paths:
         raise UserError("VAE training needs at least one image")
@@ -52,7 +53,7 @@ def reconstruction_error(vae, pixels: torch.Tensor, batch_size: int = 64) -> lis
     """Mean absolute error per RGB channel, in 8-bit levels, decoding each image's posterior mean."""
     device, total = next(vae.parameters()).device, torch.zeros(3, dtype=torch.float64)
     for i in range(0, len(pixels), batch_size):
-        x = to_model_range(pixels[i:i + batch_size], device)
+        x = to_model_range(pixels[i : i + batch_size], device)
         y = vae.decode(vae.encode(x).latent_dist.mean).sample.clamp(-1, 1)
         total += ((y - x).abs() * 127.5).mean(dim=(2, 3)).sum(dim=0).double().cpu()
     return [round(float(v), 3) for v in total / len(pixels)]
@@ -62,14 +63,17 @@ def reconstruction_error(vae, pixels: torch.Tensor, batch_size: int = 64) -> lis
 def measure_scaling_factor(vae, pixels: torch.Tensor, batch_size: int = 64) -> tuple[float, float]:
     """(1 / std, mean) of the posterior means: the latents the latents stage caches and training scales."""
     device = next(vae.parameters()).device
-    means = [vae.encode(to_model_range(pixels[i:i + batch_size], device)).latent_dist.mean.cpu()
-             for i in range(0, len(pixels), batch_size)]
+    means = [
+        vae.encode(to_model_range(pixels[i : i + batch_size], device)).latent_dist.mean.cpu()
+        for i in range(0, len(pixels), batch_size)
+    ]
     latents = torch.cat(means).double()
     return float(1.0 / latents.std()), float(latents.mean())
 
 
-def vae_loss(vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float,
-             reconstruction: str) -> tuple[torch.Tensor, float]:
+def vae_loss(
+    vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float, reconstruction: str
+) -> tuple[torch.Tensor, float]:
     """(loss, reconstruction part): decode a posterior sample; KL is per latent element (mean), times kl_weight."""
     posterior = vae.encode(x).latent_dist
     noise = torch.randn(posterior.mean.shape, generator=generator).to(x.device)
@@ -88,8 +92,17 @@ def _check(steps: int, batch_size: int, reconstruction: str, resolution: int, fa
         raise UserError(f"VAE training resolution {resolution} is not divisible by the VAE's downsampling {factor}")
 
 
-def _optimise(vae, pixels: torch.Tensor, *, steps: int, batch_size: int, learning_rate: float, kl_weight: float,
-              seed: int, reconstruction: str) -> list[float]:
+def _optimise(
+    vae,
+    pixels: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    kl_weight: float,
+    seed: int,
+    reconstruction: str,
+) -> list[float]:
     """The training loop; returns the reconstruction loss of every step."""
     from diffusers.optimization import get_scheduler
 
@@ -127,9 +140,21 @@ def _write(base_dir: Path, vae, out_dir: Path) -> None:
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
 
 
-def train_vae(base_dir: Path, images: list[Path], out_dir: Path, *, resolution: int = 32, steps: int = 600,
-              batch_size: int = 32, learning_rate: float = 1e-3, kl_weight: float = 1e-6, seed: int = 0,
-              device: str = "cpu", reconstruction: str = "mse", background=(255, 255, 255)) -> dict:
+def train_vae(
+    base_dir: Path,
+    images: list[Path],
+    out_dir: Path,
+    *,
+    resolution: int = 32,
+    steps: int = 600,
+    batch_size: int = 32,
+    learning_rate: float = 1e-3,
+    kl_weight: float = 1e-6,
+    seed: int = 0,
+    device: str = "cpu",
+    reconstruction: str = "mse",
+    background=(255, 255, 255),
+) -> dict:
     """Train base_dir's vae/ on `images`; write base_dir + the trained VAE to out_dir; return statistics."""
     from diffusers import AutoencoderKL
 
@@ -145,15 +170,29 @@ def train_vae(base_dir: Path, images: list[Path], out_dir: Path, *, resolution: 
     probe = pixels[torch.randperm(len(pixels), generator=torch.Generator().manual_seed(seed))[:EVAL_IMAGES]]
     vae.eval()
     before = reconstruction_error(vae, probe)
-    losses = _optimise(vae, pixels, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
-                       kl_weight=kl_weight, seed=seed, reconstruction=reconstruction)
+    losses = _optimise(
+        vae,
+        pixels,
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        kl_weight=kl_weight,
+        seed=seed,
+        reconstruction=reconstruction,
+    )
     scale, mean = measure_scaling_factor(vae, probe)
     vae.register_to_config(scaling_factor=scale)
     _write(base_dir, vae.to("cpu"), out_dir)
-    tail = losses[-min(20, len(losses)):]
-    stats = {"images": len(pixels), "steps": steps, "final_loss": round(sum(tail) / len(tail), 5),
-             "rgb_error_before": before, "rgb_error": reconstruction_error(vae, probe),
-             "scaling_factor": round(scale, 6), "latent_mean": round(mean, 4),
-             "seconds": round(time.perf_counter() - start, 2)}
+    tail = losses[-min(20, len(losses)) :]
+    stats = {
+        "images": len(pixels),
+        "steps": steps,
+        "final_loss": round(sum(tail) / len(tail), 5),
+        "rgb_error_before": before,
+        "rgb_error": reconstruction_error(vae, probe),
+        "scaling_factor": round(scale, 6),
+        "latent_mean": round(mean, 4),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
     log.info("VAE trained: %s", stats)
     return stats

@@ -56,11 +56,15 @@ def resolve(name: str, revision: str | None = None) -> Path:
         return Path(exc.snapshot_path)
     except (LocalEntryNotFoundError, OSError, ValueError):
         if looks_like_path(name):
-            raise UserError(f"model path {name} does not exist (nothing at {Path(name).resolve()}; as a hub id it is "
-                            f"not in the local Hugging Face cache either)") from None
-        raise UserError(f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
-                        f"run `sdpipe fetch-model` (only the files the config needs) or `hf download {name}` (or set "
-                        f"the config to a local folder)") from None
+            raise UserError(
+                f"model path {name} does not exist (nothing at {Path(name).resolve()}; as a hub id it is "
+                f"not in the local Hugging Face cache either)"
+            ) from None
+        raise UserError(
+            f"weights for {name!r} are not in the local Hugging Face cache; on a machine with internet "
+            f"run `sdpipe fetch-model` (only the files the config needs) or `hf download {name}` (or set "
+            f"the config to a local folder)"
+        ) from None
 
 
 def looks_like_path(name: str) -> bool:
@@ -109,8 +113,13 @@ class HashMemo:
         return hashing.key_of([(str(p.relative_to(root)), self.file_hash(p)) for p in files])
 
 
-def weights_hash(name: str, subfolder: str | None = None, revision: str | None = None,
-                 memo_file: str | Path | None = None, every_file: bool = False) -> str:
+def weights_hash(
+    name: str,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    memo_file: str | Path | None = None,
+    every_file: bool = False,
+) -> str:
     """Hash of a model's weight and config files (every_file: all files, e.g. for a tokenizer folder)."""
     path = resolve(name, revision)
     if subfolder:

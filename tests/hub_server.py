@@ -69,8 +69,11 @@ class Hub:
 
     def downloaded(self) -> list[str]:
         """Files whose content was sent (GET on resolve), in request order."""
-        return [unquote(p.split("/resolve/", 1)[1].split("/", 1)[1]) for m, p in self.requests
-                if m == "GET" and "/resolve/" in p]
+        return [
+            unquote(p.split("/resolve/", 1)[1].split("/", 1)[1])
+            for m, p in self.requests
+            if m == "GET" and "/resolve/" in p
+        ]
 
     def __enter__(self) -> Hub:
         self.thread.start()
@@ -117,8 +120,9 @@ def _handler(hub: Hub):
 
         def _repo(self, repo_id: str, rev: str | None = None) -> Repo | None:
             repo = hub.repos.get(repo_id)
-            if repo is None or (repo.private and hub.token and
-                                self.headers.get("Authorization") != f"Bearer {hub.token}"):
+            if repo is None or (
+                repo.private and hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}"
+            ):
                 self._error(404, "Repository not found", "RepoNotFound")
                 return None
             if rev not in (None, "main", repo.sha):
@@ -151,15 +155,29 @@ def _handler(hub: Hub):
         def model_info(self, repo: str, rev: str | None = None, query=None) -> None:
             r = self._repo(repo, rev)
             if r:
-                self._json(200, {"id": repo, "modelId": repo, "sha": r.sha, "private": r.private,
-                                 "siblings": [{"rfilename": p, "size": len(d)} for p, d in sorted(r.files.items())]})
+                self._json(
+                    200,
+                    {
+                        "id": repo,
+                        "modelId": repo,
+                        "sha": r.sha,
+                        "private": r.private,
+                        "siblings": [{"rfilename": p, "size": len(d)} for p, d in sorted(r.files.items())],
+                    },
+                )
 
         def tree(self, repo: str, rev: str, sub: str | None = None, query=None) -> None:
             r = self._repo(repo, rev)
             if r:
                 prefix = f"{sub.strip('/')}/" if sub else ""
-                self._json(200, [{"type": "file", "path": p, "size": len(d), "oid": git_oid(d)}
-                                 for p, d in sorted(r.files.items()) if p.startswith(prefix)])
+                self._json(
+                    200,
+                    [
+                        {"type": "file", "path": p, "size": len(d), "oid": git_oid(d)}
+                        for p, d in sorted(r.files.items())
+                        if p.startswith(prefix)
+                    ],
+                )
 
         def resolve(self, repo: str, rev: str, file: str, head: bool = False, query=None) -> None:
             r = self._repo(repo, rev)
@@ -168,11 +186,15 @@ def _handler(hub: Hub):
             if file not in r.files:
                 return self._error(404, f"Entry not found: {file}", "EntryNotFound")
             data = r.files[file]
-            headers = {"X-Repo-Commit": r.sha, "ETag": f'"{git_oid(data)}"', "Accept-Ranges": "bytes",
-                       "Content-Type": "application/octet-stream"}
+            headers = {
+                "X-Repo-Commit": r.sha,
+                "ETag": f'"{git_oid(data)}"',
+                "Accept-Ranges": "bytes",
+                "Content-Type": "application/octet-stream",
+            }
             start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "") or "")
             if start and not head:
-                body = data[int(start.group(1)):]
+                body = data[int(start.group(1)) :]
                 headers["Content-Range"] = f"bytes {start.group(1)}-{len(data) - 1}/{len(data)}"
                 return self._send(206, body, headers)
             self._send(200, data, {**headers, "Content-Length": len(data)}, head=head)
@@ -200,9 +222,15 @@ def _handler(hub: Hub):
             payload = json.loads(self._body())
             r = self._repo(repo, rev)
             if r:
-                files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                          "oid": git_oid(r.files[f["path"]]) if f["path"] in r.files else None}
-                         for f in payload["files"]]
+                files = [
+                    {
+                        "path": f["path"],
+                        "uploadMode": "regular",
+                        "shouldIgnore": False,
+                        "oid": git_oid(r.files[f["path"]]) if f["path"] in r.files else None,
+                    }
+                    for f in payload["files"]
+                ]
                 self._json(200, {"files": files, "commitOid": r.sha})
 
         def commit(self, repo: str, rev: str, query=None) -> None:
@@ -224,8 +252,7 @@ def _handler(hub: Hub):
                 else:  # lfsFile, deletedFolder, copies: never sent while preupload answers "regular"
                     return self._error(400, f"this test hub does not handle {key!r} commit items")
             sha = r.commit(added, deleted, summary)
-            self._json(200, {"commitUrl": f"{hub.url}/{repo}/commit/{sha}", "commitOid": sha,
-                             "pullRequestUrl": None})
+            self._json(200, {"commitUrl": f"{hub.url}/{repo}/commit/{sha}", "commitOid": sha, "pullRequestUrl": None})
 
     ROUTES = [
         (rf"/api/models/{REPO}/revision/(?P<rev>[^/]+)", "GET", Handler.model_info),
@@ -252,12 +279,17 @@ def hub(monkeypatch, tmp_path):
     with Hub(token="test-token") as server:
         cache = tmp_path / "hf-cache"
         monkeypatch.setattr(constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                            server.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
         server.cache = cache
-        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(cache),
-                      "HF_HUB_DISABLE_TELEMETRY": "1"}
+        server.env = {
+            "HF_ENDPOINT": server.url,
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_CACHE": str(cache),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
         yield server

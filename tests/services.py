@@ -40,19 +40,40 @@ def free_port() -> int:
 def _slurm_conf(state: Path, munge_socket: Path, host: str) -> str:
     # config_overrides: the node may declare more CPUs and memory than this machine has, so the shipped profile's
     # requests (8 CPUs, 32 GB per job) are accepted as they are and only the GPU layout needs overriding.
-    return "\n".join([
-        MARK, "ClusterName=sdpipe-test", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", f"AuthInfo=socket={munge_socket}", "CredType=cred/munge",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-        f"StateSaveLocation={state}/ctld", f"SlurmdSpoolDir={state}/spool",
-        f"SlurmctldPidFile={state}/slurmctld.pid", f"SlurmdPidFile={state}/slurmd.pid",
-        f"SlurmctldLogFile={state}/slurmctld.log", f"SlurmdLogFile={state}/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core_Memory", "SlurmdParameters=config_overrides",
-        "ReturnToService=2", "MinJobAge=600", "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs=128 RealMemory=1000000 State=UNKNOWN",
-        "PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""])
+    return "\n".join(
+        [
+            MARK,
+            "ClusterName=sdpipe-test",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={munge_socket}",
+            "CredType=cred/munge",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
+            f"StateSaveLocation={state}/ctld",
+            f"SlurmdSpoolDir={state}/spool",
+            f"SlurmctldPidFile={state}/slurmctld.pid",
+            f"SlurmdPidFile={state}/slurmd.pid",
+            f"SlurmctldLogFile={state}/slurmctld.log",
+            f"SlurmdLogFile={state}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core_Memory",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "MinJobAge=600",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs=128 RealMemory=1000000 State=UNKNOWN",
+            "PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
 
 
 def _wait(check, what: str, timeout: float = 30) -> None:
@@ -81,16 +102,27 @@ def slurm_cluster(state: Path):
         (state / sub).mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
     munge_socket = state / "munge.sock"
-    subprocess.run(["munged", f"--socket={munge_socket}", f"--pid-file={state}/munged.pid", "--force",
-                    f"--log-file={state}/munged.log", f"--seed-file={state}/munge.seed", f"--key-file={key}"],
-                   check=True)
+    subprocess.run(
+        [
+            "munged",
+            f"--socket={munge_socket}",
+            f"--pid-file={state}/munged.pid",
+            "--force",
+            f"--log-file={state}/munged.log",
+            f"--seed-file={state}/munge.seed",
+            f"--key-file={key}",
+        ],
+        check=True,
+    )
     SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
     SLURM_CONF.write_text(_slurm_conf(state, munge_socket, host))
     try:
         subprocess.run(["slurmctld", "-i"], check=True)
         subprocess.run(["slurmd"], check=True)
-        _wait(lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True,
-                                               text=True).stdout, "the Slurm node")
+        _wait(
+            lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout,
+            "the Slurm node",
+        )
         yield host
     finally:
         for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
@@ -111,8 +143,11 @@ def s3_server():
     except ImportError:
         unavailable("moto[server] is not installed (it is in sdpipe's dev extra)")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait(lambda: _answers(port), "the S3 server")
         yield f"http://127.0.0.1:{port}"
@@ -127,7 +162,11 @@ def _answers(port: int) -> bool:
     return False
 
 
-S3_KEYS = {"AWS_ACCESS_KEY_ID": "sdpipe-test", "AWS_SECRET_ACCESS_KEY": "sdpipe-test", "AWS_DEFAULT_REGION": "us-east-1"}
+S3_KEYS = {
+    "AWS_ACCESS_KEY_ID": "sdpipe-test",
+    "AWS_SECRET_ACCESS_KEY": "sdpipe-test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @pytest.fixture

@@ -23,8 +23,11 @@ def test_parity_of_the_sdpipe_step_with_the_baseline(tiny_model, preset):
 def test_parity_fails_a_step_that_computes_something_else():
     base = {"w": parity_tensor([1.0, 1.0])}
     runs = {"baseline": [1.0, 0.9], "sdpipe": [1.0, 0.85], "fp32": [1.0, 0.9]}
-    weights = {"baseline": {"w": parity_tensor([2.0, 2.0])}, "sdpipe": {"w": parity_tensor([2.0, 2.0])},
-               "fp32": {"w": parity_tensor([2.0, 2.01])}}
+    weights = {
+        "baseline": {"w": parity_tensor([2.0, 2.0])},
+        "sdpipe": {"w": parity_tensor([2.0, 2.0])},
+        "fp32": {"w": parity_tensor([2.0, 2.01])},
+    }
     assert not parity.verdict(runs, weights, base, 2, 2, 1e-4)["passed"]  # a 5.6 % loss difference
     runs["sdpipe"] = [1.0, 0.9]
     weights["sdpipe"] = {"w": parity_tensor([2.5, 2.0])}  # 50x further from the baseline than fp32
@@ -40,16 +43,53 @@ def parity_tensor(values):
 
 
 def _results(sdpipe_rate: float, latent_rate: float) -> dict:
-    meta = {"gpu": {"name": "GPU X", "driver": "1"}, "packages": {"torch": "2", "diffusers": "0"},
-            "git_commit": "abc", "steps": 30, "warmup": 10, "peak_tflops": 800.0}
-    rows = [{"name": "baseline", "kind": "baseline", "batch": 32, "samples_per_s": 100.0, "warmup_s": 1.0,
-             "peak_memory_gib": 40.0, "gflops_per_sample": 2500.0},
-            {"name": "sdpipe", "kind": "sdpipe", "batch": 32, "samples_per_s": sdpipe_rate, "warmup_s": 100.0,
-             "peak_memory_gib": 30.0}]
-    latents = [{"name": "default", "encoded": 2000, "images_per_s": 200.0, "images_per_s_after_warmup": latent_rate,
-                "seconds": 10.0}]
-    return {"meta": meta, "presets": {"sd15": {"resolution": 512, "rows": rows, "latents": latents,
-                                               "loader": {"batch": 32, "samples_per_s": 1000.0}}}}
+    meta = {
+        "gpu": {"name": "GPU X", "driver": "1"},
+        "packages": {"torch": "2", "diffusers": "0"},
+        "git_commit": "abc",
+        "steps": 30,
+        "warmup": 10,
+        "peak_tflops": 800.0,
+    }
+    rows = [
+        {
+            "name": "baseline",
+            "kind": "baseline",
+            "batch": 32,
+            "samples_per_s": 100.0,
+            "warmup_s": 1.0,
+            "peak_memory_gib": 40.0,
+            "gflops_per_sample": 2500.0,
+        },
+        {
+            "name": "sdpipe",
+            "kind": "sdpipe",
+            "batch": 32,
+            "samples_per_s": sdpipe_rate,
+            "warmup_s": 100.0,
+            "peak_memory_gib": 30.0,
+        },
+    ]
+    latents = [
+        {
+            "name": "default",
+            "encoded": 2000,
+            "images_per_s": 200.0,
+            "images_per_s_after_warmup": latent_rate,
+            "seconds": 10.0,
+        }
+    ]
+    return {
+        "meta": meta,
+        "presets": {
+            "sd15": {
+                "resolution": 512,
+                "rows": rows,
+                "latents": latents,
+                "loader": {"batch": 32, "samples_per_s": 1000.0},
+            }
+        },
+    }
 
 
 @pytest.mark.parametrize("rate, latent_rate, met", [(150.0, 300.0, False), (170.0, 450.0, True)])
@@ -81,8 +121,24 @@ def test_a_reused_scratch_folder_gets_one_jpeg_folder_per_image_count(tmp_path, 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)  # the CLI's own defaults
     for images in (512, 1000):
-        args = parser.parse_args(["--images", str(images), "--steps", "1", "--warmup", "1", "--skip", "baseline",
-                                  "--skip", "train", "--skip", "loader", "--skip", "parity"])
+        args = parser.parse_args(
+            [
+                "--images",
+                str(images),
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--skip",
+                "baseline",
+                "--skip",
+                "train",
+                "--skip",
+                "loader",
+                "--skip",
+                "parity",
+            ]
+        )
         cli.bench_preset(args, "sd15", torch.device("cpu"), tmp_path)
     assert folders == [("jpeg-512-512", 512)] * 2 + [("jpeg-512-1000", 1000)] * 2  # eager and compiled each
 
@@ -113,11 +169,26 @@ def test_summary_puts_split_calls_in_one_table_with_their_provenance(tmp_path):
     from sdpipe.bench import summary
 
     rows = _results(150.0, 0.0)["presets"]["sd15"]["rows"]
-    latents = [{"name": name, "encoded": 512, "images_per_s": 50.0, "images_per_s_after_warmup": rate, "seconds": 9.0,
-                "batch": 64} for name, rate in (("eager", 184.0), ("torch.compile", 389.0))]
-    files = [_call(tmp_path, "latents-call", "2026-12-03T15:00:00+00:00",
-                   {"latents": latents, "loader": {"batch": 32, "samples_per_s": 1000.0}}),
-             _call(tmp_path, "train-call", "2026-12-03T14:00:00+00:00", {"rows": rows})]
+    latents = [
+        {
+            "name": name,
+            "encoded": 512,
+            "images_per_s": 50.0,
+            "images_per_s_after_warmup": rate,
+            "seconds": 9.0,
+            "batch": 64,
+        }
+        for name, rate in (("eager", 184.0), ("torch.compile", 389.0))
+    ]
+    files = [
+        _call(
+            tmp_path,
+            "latents-call",
+            "2026-12-03T15:00:00+00:00",
+            {"latents": latents, "loader": {"batch": 32, "samples_per_s": 1000.0}},
+        ),
+        _call(tmp_path, "train-call", "2026-12-03T14:00:00+00:00", {"rows": rows}),
+    ]
     table = summary.write(files, tmp_path, "summary")
     lines = {line["what"].split(",")[0]: line for line in json.loads((tmp_path / "summary.json").read_text())["lines"]}
     assert lines["sd15 training step"]["verdict"] == "not met: 1.50x the baseline"
@@ -145,8 +216,12 @@ def test_summary_names_a_file_that_is_not_a_results_file(tmp_path):
 def test_train_row_rate_comes_from_the_last_full_window_not_a_short_tail():
     from sdpipe.bench.pipeline import last_full_window
 
-    rows = [{"step": "6", "samples_per_s": "20.0"}, {"step": "12", "samples_per_s": "156.0"},
-            {"step": "18", "samples_per_s": "156.5"}, {"step": "20", "samples_per_s": "150.0"}]
+    rows = [
+        {"step": "6", "samples_per_s": "20.0"},
+        {"step": "12", "samples_per_s": "156.0"},
+        {"step": "18", "samples_per_s": "156.5"},
+        {"step": "20", "samples_per_s": "150.0"},
+    ]
     assert last_full_window(rows, 6)["samples_per_s"] == "156.5"
     assert last_full_window(rows[:3], 6)["samples_per_s"] == "156.5"
     assert last_full_window(rows[:1], 6) is rows[0], "a run of one window has only that one"
@@ -175,12 +250,31 @@ def test_the_step_rows_compile_on_a_gpu_by_default(tmp_path, monkeypatch, device
     monkeypatch.setattr(pipeline, "sdpipe", lambda *args: None)
     monkeypatch.setattr(pipeline, "write_jpegs", lambda out, count, size: out)
     monkeypatch.setattr(pipeline, "cache_latents", lambda work, name, model, raw, res, settings: {"raw": raw.name})
-    monkeypatch.setattr(pipeline, "train_row", lambda work, cache, name, batch, steps, warmup, overrides:
-                        modes.append(overrides["compile"]) or {"samples_per_s": 1.0})
+    monkeypatch.setattr(
+        pipeline,
+        "train_row",
+        lambda work, cache, name, batch, steps, warmup, overrides: (
+            modes.append(overrides["compile"]) or {"samples_per_s": 1.0}
+        ),
+    )
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(["--steps", "1", "--warmup", "1", "--skip", "baseline", "--skip", "loader",
-                              "--skip", "parity", "--skip", "latents"])
+    args = parser.parse_args(
+        [
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--skip",
+            "baseline",
+            "--skip",
+            "loader",
+            "--skip",
+            "parity",
+            "--skip",
+            "latents",
+        ]
+    )
     out = cli.bench_preset(args, "sd15", torch.device(device), tmp_path)
     assert modes == [mode]
     assert [r["name"] for r in out["rows"]] == [f"sdpipe train ({label}, fused AdamW), batch 32"]

@@ -16,9 +16,28 @@ from tests.conftest import REPO
 @pytest.mark.slow
 def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "bench-dag", "--job", "tiny", "--steps", "6", "--work",
-                           str(tmp_path / "work"), "--out", str(out), "--source", str(REPO), "--name", "dag-test"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "bench-dag",
+            "--job",
+            "tiny",
+            "--steps",
+            "6",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--source",
+            str(REPO),
+            "--name",
+            "dag-test",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "dag-test.json").read_text())["jobs"]["tiny"]
     assert set(res["stages_s"]) == set(dag_report.STAGES)  # every stage ran
@@ -31,7 +50,9 @@ def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
     assert all(f["verified"] for k, f in res["export"].items() if isinstance(f, dict))
     assert res["evaluate"]["images"] == 4 and res["evaluate"]["fid"]["value"] is None  # no weights here: null
     table = (out / "dag-test.md").read_text()
-    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:len(dag_report.STAGES) + 1]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][
+        1 : len(dag_report.STAGES) + 1
+    ]
     assert rows == list(dag_report.STAGES), rows  # in the DAG's order
     assert "| **whole DAG** |" in table
     project = tmp_path / "work" / "tiny" / "project"
@@ -45,4 +66,5 @@ def test_the_peer_scripts_progress_bar_gives_start_up_and_steady_rate():
     assert t["startup_s"] == 20.0 and t["samples_per_s"] == pytest.approx(64.0) and t["tail_s"] == 12.0
     assert t["projected"] and t["projected_s"] == pytest.approx(20.0 + 999 * 0.5 + 12.0)
     assert peer.BAR.findall(b"\rSteps:  45%|####5     | 450/1000 [02:10<02:39,  3.45it/s, lr=1e-05]") == [
-        (b"450", b"1000")]
+        (b"450", b"1000")
+    ]

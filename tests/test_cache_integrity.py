@@ -51,7 +51,9 @@ def test_the_latents_stage_re_encodes_damaged_shards_and_training_refuses_them(t
     _truncate(text_shards[0])
     again = run_stage(tmp_path, raw, tiny_model, out="again")
     assert again["encoded"] == first["encoded"] == 8 and again["text_encoded"] == first["text_encoded"]
-    assert all(torch.isfinite(b["latents"]).all() for b in _read_every_sample(LatentData(tmp_path / "again" / "index.json")))
+    assert all(
+        torch.isfinite(b["latents"]).all() for b in _read_every_sample(LatentData(tmp_path / "again" / "index.json"))
+    )
 
 
 def _read_every_sample(data) -> list[dict]:

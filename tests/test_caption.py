@@ -21,21 +21,34 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 # --- tiny models, built once and saved like a user's checkpoint --------------------------------------------------
 
+
 def _build_blip(out: Path, silent: bool = False) -> Path:
     import torch
-    from transformers import BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor
-    from transformers import BlipProcessor
+    from transformers import BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor, BlipProcessor
 
     out.mkdir(parents=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]"] + WORDS
     (out / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    processor = BlipProcessor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}),
-                              tokenizer=BertTokenizer(str(out / "vocab.txt"), bos_token="[DEC]"))
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, encoder_hidden_size=32, max_position_embeddings=64, bos_token_id=5,
-                sep_token_id=3, pad_token_id=0, eos_token_id=3)
+    processor = BlipProcessor(
+        image_processor=BlipImageProcessor(size={"height": 32, "width": 32}),
+        tokenizer=BertTokenizer(str(out / "vocab.txt"), bos_token="[DEC]"),
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    text = dict(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        encoder_hidden_size=32,
+        max_position_embeddings=64,
+        bos_token_id=5,
+        sep_token_id=3,
+        pad_token_id=0,
+        eos_token_id=3,
+    )
     torch.manual_seed(0)
     model = BlipForConditionalGeneration(BlipConfig(text_config=text, vision_config=vision, projection_dim=16))
     if silent:  # a BLIP that ends every caption at once: it yields nothing
@@ -62,9 +75,11 @@ def clip_files(tmp_path_factory) -> tuple[Path, Path]:
     import torch
 
     root = tmp_path_factory.mktemp("clip")
-    cfg = {"embed_dim": 16,
-           "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
     model_config = root / "sdpipe-tiny-clip.json"
     model_config.write_text(json.dumps(cfg))
     open_clip.add_model_config(model_config)
@@ -74,6 +89,7 @@ def clip_files(tmp_path_factory) -> tuple[Path, Path]:
 
 
 # --- datasets and runs ---------------------------------------------------------------------------------------------
+
 
 def add_image(raw: Path, rel: str, index: int, sidecar: str | None = None, folder: str = "") -> dict:
     from PIL import Image
@@ -87,15 +103,27 @@ def add_image(raw: Path, rel: str, index: int, sidecar: str | None = None, folde
 
 
 def row_for(raw: Path, rel: str, sidecar: str | None = None, folder: str = "") -> dict:
-    return {"id": hashlib.sha256((raw / rel).read_bytes()).hexdigest(), "path": rel, "width": 32, "height": 32,
-            "format": "PNG", "mode": "RGB", "bucket": [32, 32], "split": "train", "repeats": 1, "folder": folder,
-            "sidecar": sidecar, "sidecar_path": str(Path(rel).with_suffix(".txt")) if sidecar else None}
+    return {
+        "id": hashlib.sha256((raw / rel).read_bytes()).hexdigest(),
+        "path": rel,
+        "width": 32,
+        "height": 32,
+        "format": "PNG",
+        "mode": "RGB",
+        "bucket": [32, 32],
+        "split": "train",
+        "repeats": 1,
+        "folder": folder,
+        "sidecar": sidecar,
+        "sidecar_path": str(Path(rel).with_suffix(".txt")) if sidecar else None,
+    }
 
 
 def make_cfg(tmp: Path, cache: str = "cache", **caption_values):
     caption_values.setdefault("gpus", 0)
-    return config.from_dict({"cache_dir": str(tmp / cache), "data": {"raw_dir": str(tmp / "raw")},
-                             "caption": caption_values})
+    return config.from_dict(
+        {"cache_dir": str(tmp / cache), "data": {"raw_dir": str(tmp / "raw")}, "caption": caption_values}
+    )
 
 
 def run_stage(tmp: Path, cfg, rows: list[dict], out: str = "out") -> tuple[dict, dict[str, dict]]:
@@ -113,8 +141,15 @@ def blip_settings(path: Path, **extra) -> dict:
 
 def clip_settings(clip_files, **extra) -> dict:
     model_config, checkpoint = clip_files
-    return {"model": "sdpipe-tiny-clip", "pretrained": str(checkpoint), "model_config": str(model_config),
-            "vocabulary": VOCAB, "top_k": 2, "min_probability": 0.0, **extra}
+    return {
+        "model": "sdpipe-tiny-clip",
+        "pretrained": str(checkpoint),
+        "model_config": str(model_config),
+        "vocabulary": VOCAB,
+        "top_k": 2,
+        "min_probability": 0.0,
+        **extra,
+    }
 
 
 def forbid_loading(monkeypatch, module) -> None:
@@ -123,9 +158,18 @@ def forbid_loading(monkeypatch, module) -> None:
 
 # --- tests -----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stem, expected", [
-    ("a_red_circle_on_a_white_background_0007", "a red circle on a white background"),
-    ("sks-dog_12-3", "sks dog"), ("photo (3)", "photo"), ("IMG_0001", "IMG"), ("0001", ""), ("r2d2", "r2d2")])
+
+@pytest.mark.parametrize(
+    "stem, expected",
+    [
+        ("a_red_circle_on_a_white_background_0007", "a red circle on a white background"),
+        ("sks-dog_12-3", "sks dog"),
+        ("photo (3)", "photo"),
+        ("IMG_0001", "IMG"),
+        ("0001", ""),
+        ("r2d2", "r2d2"),
+    ],
+)
 def test_clean_stem(stem, expected):
     assert free.clean_stem(stem) == expected
 
@@ -135,17 +179,23 @@ def test_bad_template_and_missing_manifest(tmp_path):
         with pytest.raises(UserError, match="caption.template"):
             free.template_fields(template)
     with pytest.raises(UserError, match="snakemake prepare"):
-        caption.run(make_cfg(tmp_path), {"manifest": tmp_path / "nope.jsonl"},
-                    {"captions": tmp_path / "c.jsonl", "summary": tmp_path / "s.json"})
+        caption.run(
+            make_cfg(tmp_path),
+            {"manifest": tmp_path / "nope.jsonl"},
+            {"captions": tmp_path / "c.jsonl", "summary": tmp_path / "s.json"},
+        )
 
 
 def test_chain_order_and_fallthrough(tmp_path, blip_dir):
     raw = tmp_path / "raw"
-    rows = [add_image(raw, "dogs/x_0001.png", 0, sidecar="a sidecar caption", folder="sks dog"),
-            add_image(raw, "dogs/y_0002.png", 1, folder="sks dog"),
-            add_image(raw, "0003.png", 2)]
-    cfg = make_cfg(tmp_path, chain=["sidecar", "template", "blip"], template="a photo of {folder}",
-                   blip=blip_settings(blip_dir))
+    rows = [
+        add_image(raw, "dogs/x_0001.png", 0, sidecar="a sidecar caption", folder="sks dog"),
+        add_image(raw, "dogs/y_0002.png", 1, folder="sks dog"),
+        add_image(raw, "0003.png", 2),
+    ]
+    cfg = make_cfg(
+        tmp_path, chain=["sidecar", "template", "blip"], template="a photo of {folder}", blip=blip_settings(blip_dir)
+    )
     summary, out = run_stage(tmp_path, cfg, rows)
     assert out["dogs/x_0001.png"]["caption"] == "a sidecar caption"
     assert out["dogs/x_0001.png"]["provenance"] == {"source": "sidecar", "file": "dogs/x_0001.txt"}
@@ -166,8 +216,9 @@ def test_empty_model_result_falls_through_to_clip_tags(tmp_path, silent_blip_dir
 
     raw = tmp_path / "raw"
     rows = [add_image(raw, f"img_{i}.png", i) for i in range(3)]
-    cfg = make_cfg(tmp_path, chain=["blip", "clip_tags"], blip=blip_settings(silent_blip_dir),
-                   clip_tags=clip_settings(clip_files))
+    cfg = make_cfg(
+        tmp_path, chain=["blip", "clip_tags"], blip=blip_settings(silent_blip_dir), clip_tags=clip_settings(clip_files)
+    )
     summary, out = run_stage(tmp_path, cfg, rows)
     for row in out.values():
         words = row["caption"].split(", ")
@@ -249,7 +300,10 @@ def test_a_failing_batch_is_retried_image_by_image():
         return [f"ok {im}" for im in images]
 
     assert captioners._run_model(model, ["x", "bad", "y"]) == [
-        ("ok x", None), (None, "RuntimeError: boom"), ("ok y", None)]
+        ("ok x", None),
+        (None, "RuntimeError: boom"),
+        ("ok y", None),
+    ]
 
 
 def test_two_cpu_workers_match_one(tmp_path, blip_dir, monkeypatch):

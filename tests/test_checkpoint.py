@@ -21,8 +21,9 @@ def _accelerator(error: BaseException) -> SimpleNamespace:
 
 def test_a_full_disk_is_named_and_leaves_no_half_checkpoint(tmp_path):
     full = OSError(errno.ENOSPC, "No space left on device")
-    torch_says = RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
-                              "data/0: file write failed")
+    torch_says = RuntimeError(
+        "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/0: file write failed"
+    )
     torch_says.__context__ = full
     with pytest.raises(UserError, match=r"^the disk is full: checkpoint checkpoint-00000004 could not be saved"):
         checkpoint.save(_accelerator(torch_says), tmp_path, 4, {"step": 4}, keep=3)

@@ -9,20 +9,34 @@ from sdpipe import cluster, config
 from sdpipe.errors import UserError
 from sdpipe.stages import train
 
-NODE = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "8",
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+NODE = {
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_GPUS_ON_NODE": "8",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+}
 
 
-@pytest.mark.parametrize("spec, hosts", [
-    ("gpu[07-08]", ["gpu07", "gpu08"]), ("node3", ["node3"]),
-    ("a[1-2,9],b[010-011],login", ["a1", "a2", "a9", "b010", "b011", "login"])])
+@pytest.mark.parametrize(
+    "spec, hosts",
+    [
+        ("gpu[07-08]", ["gpu07", "gpu08"]),
+        ("node3", ["node3"]),
+        ("a[1-2,9],b[010-011],login", ["a1", "a2", "a9", "b010", "b011", "login"]),
+    ],
+)
 def test_slurm_hostlist_expands_like_scontrol(spec, hosts):
     assert cluster.expand_hostlist(spec) == hosts
 
 
 def _cfg(**multi_node):
-    return config.from_dict({"model": {"pretrained": "m"}, "data": {"raw_dir": "d"},
-                             "train": {"num_processes": "auto", "multi_node": multi_node}})
+    return config.from_dict(
+        {
+            "model": {"pretrained": "m"},
+            "data": {"raw_dir": "d"},
+            "train": {"num_processes": "auto", "multi_node": multi_node},
+        }
+    )
 
 
 @pytest.mark.parametrize("node_id", [0, 1])
@@ -33,9 +47,10 @@ def test_each_node_launches_its_rank_of_16_processes(monkeypatch, tmp_path, node
     world = train.num_processes(cfg)
     assert world == 16
     train._check_topology(cfg, world)
-    cmd = train.launch_command(cfg, world, tmp_path / "c.yaml", tmp_path / "i.json", tmp_path / "out",
-                               tmp_path / "s.json")
-    flags = _flags(cmd[3:cmd.index("sdpipe.train.loop") - 1])
+    cmd = train.launch_command(
+        cfg, world, tmp_path / "c.yaml", tmp_path / "i.json", tmp_path / "out", tmp_path / "s.json"
+    )
+    flags = _flags(cmd[3 : cmd.index("sdpipe.train.loop") - 1])
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
     assert flags["--num_processes"] == "16" and flags["--num_machines"] == "2"
     assert flags["--machine_rank"] == str(node_id) and flags["--main_process_ip"] == "gpu07"
@@ -77,8 +92,13 @@ def test_a_process_count_that_does_not_split_over_the_nodes_fails_before_launch(
 def test_each_task_of_an_srun_step_is_one_machine(monkeypatch, proc_id):
     """Two tasks on one node (srun -n 2), as the CI's single-node cluster runs them: ranked by SLURM_PROCID, since
     both tasks share SLURM_NODEID 0."""
-    env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "vm", "SLURM_NODEID": "0",
-           "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(proc_id)}
+    env = {
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "vm",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": str(proc_id),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     topo = train.topology(_cfg())

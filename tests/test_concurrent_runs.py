@@ -26,13 +26,18 @@ def _wait_for(path, text: str, proc, timeout: float = 240) -> None:
 
 
 def test_a_second_pipeline_started_while_the_first_trains_changes_nothing(tmp_path, demo_source):
-    proj = make_project(tmp_path / "p", demo_source, prepare={"eval_fraction": 0.0, "workers": 1},
-                        model={"train_vae": {"enabled": False}},
-                        train={**FAST["train"], "max_steps": STEPS, "checkpoint_every": 1000})
+    proj = make_project(
+        tmp_path / "p",
+        demo_source,
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        model={"train_vae": {"enabled": False}},
+        train={**FAST["train"], "max_steps": STEPS, "checkpoint_every": 1000},
+    )
     run(["snakemake", "--cores", "2", "latents"], proj)
     (proj / "other.yaml").write_text(yaml.safe_dump({"train": {"learning_rate": 0.5, "max_steps": 2}}))
-    first = subprocess.Popen(["snakemake", "--cores", "1", "train"], cwd=proj, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        ["snakemake", "--cores", "1", "train"], cwd=proj, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         _wait_for(proj / "logs" / "train.log", "training: 1/", first)
         second = run(["snakemake", "--cores", "1", "--configfile", "other.yaml", "--", "train"], proj, check=False)

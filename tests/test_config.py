@@ -28,19 +28,28 @@ def test_empty_config_takes_schema_defaults():
     assert cfg.prepare.buckets.resolution == 512
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ({"latents": {"dtype": "fp8"}}, "latents.dtype = 'fp8' is not allowed; expected one of ['fp32', 'fp16', 'bf16']"),
-    ({"data": {"raw_dri": "x"}}, "unknown key data.raw_dri"),
-    ({"caption": {"gpus": -1}}, "caption.gpus = -1"),
-    ({"prepare": {"eval_fraction": 0.9}}, "expected a value from 0 to 0.5"),
-    ({"caption": {"chain": ["sidecar", "blipp"]}}, "caption.chain[1] = 'blipp'"),
-    ({"prepare": {"min_size": "big"}}, "prepare.min_size = 'big' is not allowed; expected a value of type integer"),
-    ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl']"),
-    ({"seed": -1}, "seed = -1 is not allowed; expected a value >= 0"),
-    ({"export": {"name": "my dog"}}, "export.name = 'my dog' is not allowed; expected a file stem of letters, digits"),
-    ({"export": {"name": "../up"}}, "export.name = '../up' is not allowed; expected a file stem"),
-    ({"export": {"name": "dog.safetensors"}}, "without .safetensors"),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (
+            {"latents": {"dtype": "fp8"}},
+            "latents.dtype = 'fp8' is not allowed; expected one of ['fp32', 'fp16', 'bf16']",
+        ),
+        ({"data": {"raw_dri": "x"}}, "unknown key data.raw_dri"),
+        ({"caption": {"gpus": -1}}, "caption.gpus = -1"),
+        ({"prepare": {"eval_fraction": 0.9}}, "expected a value from 0 to 0.5"),
+        ({"caption": {"chain": ["sidecar", "blipp"]}}, "caption.chain[1] = 'blipp'"),
+        ({"prepare": {"min_size": "big"}}, "prepare.min_size = 'big' is not allowed; expected a value of type integer"),
+        ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl']"),
+        ({"seed": -1}, "seed = -1 is not allowed; expected a value >= 0"),
+        (
+            {"export": {"name": "my dog"}},
+            "export.name = 'my dog' is not allowed; expected a file stem of letters, digits",
+        ),
+        ({"export": {"name": "../up"}}, "export.name = '../up' is not allowed; expected a file stem"),
+        ({"export": {"name": "dog.safetensors"}}, "without .safetensors"),
+    ],
+)
 def test_bad_values_name_key_value_and_allowed(raw, expected):
     with pytest.raises(UserError) as err:
         config.from_dict(raw)
@@ -80,8 +89,18 @@ def test_a_demo_preset_cannot_be_built_over_a_real_model_path():
     assert "set model.build_preset: null" in str(err.value) and "\n" not in str(err.value)
     config.check_user_config(config.from_dict({"model": {"pretrained": "models/tiny", "build_preset": "tiny"}}))
     config.check_user_config(config.from_dict({"model": {**hub["model"], "build_preset": None}}))
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set",
-                           "model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "check-config",
+            "--set",
+            "model.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "set model.build_preset: null" in proc.stderr
 
 
@@ -96,20 +115,24 @@ def test_a_lora_run_cannot_train_the_whole_text_encoder():
 def test_cli_reports_bad_config_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("latents:\n  batch_size: 0\n")
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--config", str(bad)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdpipe", "check-config", "--config", str(bad)], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "sdpipe check-config: error: config: latents.batch_size = 0 is not allowed; expected one of ['auto'] or an "
-        "integer from 1 to 4096"]
+        "integer from 1 to 4096"
+    ]
 
 
 def test_set_overrides_are_validated_too(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=many"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=many"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "latents.gpus = 'many'" in proc.stderr and "Traceback" not in proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=2"],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "sdpipe", "check-config", "--set", "latents.gpus=2"], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -129,8 +152,22 @@ def test_ddp_settings_reach_accelerate():
 
     ddp, group = ddp_kwargs(config.from_dict({}))
     assert ddp.to_kwargs() == {"gradient_as_bucket_view": True} and group.timeout == timedelta(seconds=1800)
-    ddp, group = ddp_kwargs(config.from_dict({"train": {"mode": "full", "text_encoder": {"mode": "full"}, "ddp": {
-        "bucket_cap_mb": 50, "static_graph": True, "gradient_as_bucket_view": False, "timeout_s": 120}}}))
+    ddp, group = ddp_kwargs(
+        config.from_dict(
+            {
+                "train": {
+                    "mode": "full",
+                    "text_encoder": {"mode": "full"},
+                    "ddp": {
+                        "bucket_cap_mb": 50,
+                        "static_graph": True,
+                        "gradient_as_bucket_view": False,
+                        "timeout_s": 120,
+                    },
+                }
+            }
+        )
+    )
     assert ddp.to_kwargs() == {"bucket_cap_mb": 50, "static_graph": True, "find_unused_parameters": True}
     assert group.timeout == timedelta(seconds=120)
     with pytest.raises(UserError, match="train.ddp.timeout_s = 5"):

@@ -14,8 +14,7 @@ from PIL import Image
 from sdpipe import demo
 from sdpipe.errors import UserError
 
-CAPTIONS = {demo.caption_for(*combo): combo
-            for combo in itertools.product(demo.SHAPES, demo.COLOURS, demo.BACKGROUNDS)}
+CAPTIONS = {demo.caption_for(*combo): combo for combo in itertools.product(demo.SHAPES, demo.COLOURS, demo.BACKGROUNDS)}
 
 
 def clean_stem(stem: str) -> str:

@@ -42,12 +42,28 @@ def red_and_blue(tmp: Path) -> Path:
 
 
 def test_generated_shapes_have_the_prompted_colour(tmp_path):
-    proj = make_project(tmp_path / "proj", red_and_blue(tmp_path), prepare={"eval_fraction": 0.0, "workers": 1},
-                        model={"train_vae": {"enabled": True, "steps": 300, "batch_size": 32}},
-                        train={"max_steps": 600, "per_device_batch_size": 32, "learning_rate": 0.001,
-                               "lr_warmup_steps": 20, "checkpoint_every": 600, "validation": {"every": 0}},
-                        evaluate={"prompts": PROMPTS, "seeds": [0, 1], "steps": 20, "guidance": 3.0,
-                                  "fid": {"enabled": False}, "clip_score": {"enabled": False}})
+    proj = make_project(
+        tmp_path / "proj",
+        red_and_blue(tmp_path),
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        model={"train_vae": {"enabled": True, "steps": 300, "batch_size": 32}},
+        train={
+            "max_steps": 600,
+            "per_device_batch_size": 32,
+            "learning_rate": 0.001,
+            "lr_warmup_steps": 20,
+            "checkpoint_every": 600,
+            "validation": {"every": 0},
+        },
+        evaluate={
+            "prompts": PROMPTS,
+            "seeds": [0, 1],
+            "steps": 20,
+            "guidance": 3.0,
+            "fid": {"enabled": False},
+            "clip_score": {"enabled": False},
+        },
+    )
     run(["snakemake", "--cores", "2", "evaluate"], proj)
     samples = sorted((proj / "results" / "evaluate" / "samples").glob("[0-9]*-[0-9]*.png"))
     assert len(samples) == len(PROMPTS) * 2

@@ -22,8 +22,9 @@ def small_disk(tmp_path):
     mount.mkdir()
     if os.geteuid() != 0:
         unavailable("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode:
         unavailable(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
@@ -33,12 +34,18 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_stops_with_one_line_and_the_rerun_finishes(tmp_path, demo_source, small_disk):
-    proj = make_project(tmp_path / "proj", demo_source, cache_dir=str(small_disk / "cache"),
-                        prepare={"eval_fraction": 0.0, "workers": 1}, model={"train_vae": {"enabled": False}})
+    proj = make_project(
+        tmp_path / "proj",
+        demo_source,
+        cache_dir=str(small_disk / "cache"),
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        model={"train_vae": {"enabled": False}},
+    )
     full = run(["snakemake", "--cores", "1", "latents"], proj, check=False)
     assert full.returncode != 0
-    errors = [line for log in (proj / "logs").glob("*.log") for line in log.read_text().splitlines()
-              if ": error: " in line]
+    errors = [
+        line for log in (proj / "logs").glob("*.log") for line in log.read_text().splitlines() if ": error: " in line
+    ]
     assert len(errors) == 1 and "the disk is full" in errors[0], errors
     assert not any("Traceback" in log.read_text() for log in (proj / "logs").glob("*.log"))
 

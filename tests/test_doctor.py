@@ -25,7 +25,7 @@ def single(tiny_model, tmp_path_factory) -> Path:
 def _row(tmp: Path, model: Path | str, **model_keys) -> tuple[str, bool]:
     raw = small_config(tmp, tmp / "raw", model)
     raw["model"].update(model_keys)
-    (what, status, ok), = doctor.weight_rows(config.from_dict(raw))
+    ((what, status, ok),) = doctor.weight_rows(config.from_dict(raw))
     return status, ok
 
 

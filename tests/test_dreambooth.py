@@ -19,8 +19,15 @@ from tests.workflow_helpers import make_project, run
 
 pytestmark = pytest.mark.slow
 PROMPT = "a photo of a shape"
-DREAMBOOTH = {"enabled": True, "class_prompt": PROMPT, "num_class_images": 6, "steps": 2, "batch_size": 4,
-              "gpus": 0, "prior_loss_weight": 0.5}
+DREAMBOOTH = {
+    "enabled": True,
+    "class_prompt": PROMPT,
+    "num_class_images": 6,
+    "steps": 2,
+    "batch_size": 4,
+    "gpus": 0,
+    "prior_loss_weight": 0.5,
+}
 
 
 def _cfg(tmp: Path, raw: Path, model: Path, **dreambooth):
@@ -47,8 +54,7 @@ def instance(tmp_path, demo_source) -> Path:
     return raw.parent
 
 
-def test_class_images_are_incremental_and_independent_of_the_device_count(tmp_path, instance, tiny_model,
-                                                                         monkeypatch):
+def test_class_images_are_incremental_and_independent_of_the_device_count(tmp_path, instance, tiny_model, monkeypatch):
     cfg = _cfg(tmp_path, instance, tiny_model)
     first = _generate(tmp_path, cfg)
     assert first["generated"] == 6 and len(list((tmp_path / "class").glob("*.png"))) == 6
@@ -73,8 +79,11 @@ def test_class_images_flow_through_prepare_caption_latents_and_weight_the_loss(t
     cfg = config.from_dict(_cfg(tmp_path, instance, tiny_model))
     _generate(tmp_path, cfg.raw)
     t = tmp_path
-    prepare.run(cfg, {"class_images": t / "class"}, {"manifest": t / "m.jsonl", "rejected": t / "r.jsonl",
-                                                    "summary": t / "p.json"})
+    prepare.run(
+        cfg,
+        {"class_images": t / "class"},
+        {"manifest": t / "m.jsonl", "rejected": t / "r.jsonl", "summary": t / "p.json"},
+    )
     rows = io.read_jsonl(t / "m.jsonl")
     roles = [r["role"] for r in rows]
     assert roles.count("instance") == 3 and roles.count("class") == 6
@@ -84,8 +93,11 @@ def test_class_images_flow_through_prepare_caption_latents_and_weight_the_loss(t
     captions = {c["id"]: c["caption"] for c in io.read_jsonl(t / "c.jsonl")}
     assert {captions[r["id"]] for r in rows if r["role"] == "class"} == {PROMPT}
     assert all(captions[r["id"]].startswith("sks ") for r in rows if r["role"] == "instance")
-    latents.run(cfg, {"manifest": t / "m.jsonl", "captions": t / "c.jsonl"},
-                {"index": t / "index.json", "summary": t / "ls.json"})
+    latents.run(
+        cfg,
+        {"manifest": t / "m.jsonl", "captions": t / "c.jsonl"},
+        {"index": t / "index.json", "summary": t / "ls.json"},
+    )
     data = LatentData(t / "index.json", prior_loss_weight=0.5)
     samples = list(range(len(data.sample_items)))
     weights = [float(data.batch([s], [False], [False])["weight"]) for s in samples]
@@ -94,11 +106,22 @@ def test_class_images_flow_through_prepare_caption_latents_and_weight_the_loss(t
 
 def test_dreambooth_lora_trains_through_the_workflow(tmp_path, instance):
     """`snakemake train` with DreamBooth on: class_images -> prepare -> caption -> latents -> train."""
-    work = make_project(tmp_path / "work", instance, dreambooth=DREAMBOOTH, prepare={"eval_fraction": 0.0},
-                        model={"train_vae": {"enabled": False}},
-                        caption={"chain": ["template"], "template": "sks {stem}", "gpus": 0},
-                        train={"mode": "lora", "max_steps": 2, "per_device_batch_size": 4, "lr_warmup_steps": 0,
-                               "validation": {"every": 0}, "text_encoder": {"mode": "none", "learning_rate": None}})
+    work = make_project(
+        tmp_path / "work",
+        instance,
+        dreambooth=DREAMBOOTH,
+        prepare={"eval_fraction": 0.0},
+        model={"train_vae": {"enabled": False}},
+        caption={"chain": ["template"], "template": "sks {stem}", "gpus": 0},
+        train={
+            "mode": "lora",
+            "max_steps": 2,
+            "per_device_batch_size": 4,
+            "lr_warmup_steps": 0,
+            "validation": {"every": 0},
+            "text_encoder": {"mode": "none", "learning_rate": None},
+        },
+    )
     run([sys.executable, "-m", "snakemake", "--cores", "2", "train"], work)
     assert len(list((work / "results" / "class_images" / "images").glob("*.png"))) == 6
     summary = io.read_json(work / "results" / "train" / "summary.json")

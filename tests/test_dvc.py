@@ -1,6 +1,7 @@
 """`dvc repro` in a fresh git repo: runs every stage (base model, VAE, data, training, export, evaluation, report),
-gives the same metrics as a second run from scratch through Snakemake, does nothing the second time, reruns only evaluation, the report and the model card when only an evaluation setting changes, and
-after one image changes captions only that image (and retrains the VAE and the model on the new data)."""
+gives the same metrics as a second run from scratch through Snakemake, does nothing the second time, reruns only
+evaluation, the report and the model card when only an evaluation setting changes, and after one image changes
+captions only that image (and retrains the VAE and the model on the new data)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ def summary(project, stage):
 
 
 def test_dvc_repro_is_incremental(tmp_path, demo_source):
-    proj = make_project(tmp_path / "repo", demo_source, with_code=True, prepare={"eval_fraction": 0.0, "workers": 1},
-                        train={"max_steps": 4, "per_device_batch_size": 4, "checkpoint_every": 2, "lr_warmup_steps": 0})
+    proj = make_project(
+        tmp_path / "repo",
+        demo_source,
+        with_code=True,
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        train={"max_steps": 4, "per_device_batch_size": 4, "checkpoint_every": 2, "lr_warmup_steps": 0},
+    )
     for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"]):
         run(cmd, proj)
     run([DVC, "repro"], proj)
@@ -89,19 +95,29 @@ def test_a_remote_carries_data_between_machines(tmp_path, demo_source, store, re
     remote = [[DVC, "remote", "add", "-d", "shared", str(tmp_path / "remote")]]
     if store == "s3":
         endpoint, _ = request.getfixturevalue("s3")
-        remote = [[DVC, "remote", "add", "-d", "shared", "s3://sdpipe/dvc"],
-                  [DVC, "remote", "modify", "shared", "endpointurl", endpoint]]
+        remote = [
+            [DVC, "remote", "add", "-d", "shared", "s3://sdpipe/dvc"],
+            [DVC, "remote", "modify", "shared", "endpointurl", endpoint],
+        ]
     git = ["git", "-c", "user.name=sdpipe", "-c", "user.email=sdpipe@example.invalid"]
-    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "add", "-q", "data/raw"], *remote,
-                git + ["add", "-A"], git + ["commit", "-q", "-m", "data"], [DVC, "push", "-q"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        [DVC, "init", "-q"],
+        [DVC, "add", "-q", "data/raw"],
+        *remote,
+        git + ["add", "-A"],
+        git + ["commit", "-q", "-m", "data"],
+        [DVC, "push", "-q"],
+    ):
         run(cmd, a)
     b = tmp_path / "b"
     run(["git", "clone", "-q", str(a), str(b)], tmp_path)
     assert not (b / "data" / "raw").exists()
     run([DVC, "pull", "-q", "data/raw.dvc"], b)  # only the data: this repo has run no pipeline stage yet
     files = sorted(p.relative_to(a / "data" / "raw") for p in (a / "data" / "raw").rglob("*") if p.is_file())
-    assert files and files == sorted(p.relative_to(b / "data" / "raw") for p in (b / "data" / "raw").rglob("*")
-                                     if p.is_file())
+    assert files and files == sorted(
+        p.relative_to(b / "data" / "raw") for p in (b / "data" / "raw").rglob("*") if p.is_file()
+    )
     assert all((a / "data" / "raw" / f).read_bytes() == (b / "data" / "raw" / f).read_bytes() for f in files)
     if store == "s3":  # the objects are in the bucket, so the pull came from the server
         _, client = request.getfixturevalue("s3")

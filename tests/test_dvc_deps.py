@@ -38,8 +38,9 @@ def test_a_real_jobs_dvc_yaml_has_no_demo_paths(tmp_path):
     """A local checkpoint and the user's images folder are dependencies; a hub id is a param, not a path; without
     the sdpipe source in the project there are no code paths (an installed package)."""
     photos = tmp_path / "photos"
-    local = config.from_dict({"model": {"pretrained": str(tmp_path / "my-model.safetensors")},
-                              "data": {"raw_dir": str(photos)}})
+    local = config.from_dict(
+        {"model": {"pretrained": str(tmp_path / "my-model.safetensors")}, "data": {"raw_dir": str(photos)}}
+    )
     stages = dvc_file.render(local, tmp_path)["stages"]
     assert set(stages) == set(dvc_file.STAGES) - {"base_model", "train_vae"}
     text = yaml.safe_dump(stages)

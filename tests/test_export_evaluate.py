@@ -15,12 +15,25 @@ from sdpipe.stages import benchmark, caption, evaluate, export, latents, prepare
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow
-TRAIN = {"max_steps": 2, "per_device_batch_size": 4, "lr_warmup_steps": 0, "learning_rate": 0.01,
-         "checkpoint_every": 100, "num_processes": 1, "validation": {"every": 0}}
+TRAIN = {
+    "max_steps": 2,
+    "per_device_batch_size": 4,
+    "lr_warmup_steps": 0,
+    "learning_rate": 0.01,
+    "checkpoint_every": 100,
+    "num_processes": 1,
+    "validation": {"every": 0},
+}
 VERIFY = {"prompt": "a red circle on a white background", "steps": 3, "guidance": 2.0}
-EVALUATE = {"prompts": ["a red circle on a white background", "a blue square on a black background"],
-            "seeds": [0, 1, 2], "steps": 3, "guidance": 2.0, "gpus": 0,
-            "fid": {"inception_weights": None}, "clip_score": {"enabled": True}}
+EVALUATE = {
+    "prompts": ["a red circle on a white background", "a blue square on a black background"],
+    "seeds": [0, 1, 2],
+    "steps": 3,
+    "guidance": 2.0,
+    "gpus": 0,
+    "fid": {"inception_weights": None},
+    "clip_score": {"enabled": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +45,21 @@ def data(tmp_path_factory, demo_source, tiny_model):
     cfg = config.from_dict(raw)
     prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
     caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
-    latents.run(cfg, {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
-                {"index": tmp / "index.json", "summary": tmp / "ls.json"})
+    latents.run(
+        cfg,
+        {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
+        {"index": tmp / "index.json", "summary": tmp / "ls.json"},
+    )
     return tmp, raw
 
 
 def _cfg(data, **sections):
-    raw = {**data[1], "train": {**TRAIN, **sections.pop("train", {})}, "export": {"verify": VERIFY, "dtype": "fp32"},
-           "evaluate": EVALUATE}
+    raw = {
+        **data[1],
+        "train": {**TRAIN, **sections.pop("train", {})},
+        "export": {"verify": VERIFY, "dtype": "fp32"},
+        "evaluate": EVALUATE,
+    }
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return config.from_dict(raw)
@@ -71,8 +91,8 @@ def test_fp16_export_stays_within_tolerance(data, full_run, tmp_path):
     cfg = _cfg(data, export={"dtype": "fp16"})
     summary = export.run(cfg, {"final": full_run}, {"out": tmp_path, "summary": tmp_path / "s.json"})
     unet = next((tmp_path / "diffusers" / "unet").glob("*.safetensors"))
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     assert all(t.dtype == torch.float16 for t in load_file(str(unet)).values())
     assert all(r["verified"] for r in summary["formats"].values())
@@ -81,8 +101,7 @@ def test_fp16_export_stays_within_tolerance(data, full_run, tmp_path):
 def test_lora_run_exports_diffusers_and_kohya_loras_under_the_configured_name(data, tmp_path):
     from sdpipe.export.names import export_files
 
-    final = _train(data, tmp_path / "train", mode="lora", text_encoder={"mode": "lora"},
-                   lora={"rank": 4, "alpha": 2})
+    final = _train(data, tmp_path / "train", mode="lora", text_encoder={"mode": "lora"}, lora={"rank": 4, "alpha": 2})
     out = tmp_path / "e"
     (out / "lora").mkdir(parents=True)
     for stale in ("model.safetensors", "lora/pytorch_lora_weights.safetensors"):  # an export under no name
@@ -91,10 +110,14 @@ def test_lora_run_exports_diffusers_and_kohya_loras_under_the_configured_name(da
     summary = export.run(cfg, {"final": final}, {"out": out, "summary": tmp_path / "s.json"})
     files = export_files("my-dog", single_file=True, lora=True)
     assert (files.single_file, files.lora_file, files.lora_kohya) == (
-        "my-dog.safetensors", "lora/my-dog_lora.safetensors", "my-dog_lora_kohya.safetensors")
+        "my-dog.safetensors",
+        "lora/my-dog_lora.safetensors",
+        "my-dog_lora_kohya.safetensors",
+    )
     assert {k: v["path"] for k, v in summary["formats"].items()} == {k: str(out / v) for k, v in files.files().items()}
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors") if "diffusers" not in p.parts) == \
-        sorted([files.single_file, files.lora_file, files.lora_kohya])  # the old names are gone
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors") if "diffusers" not in p.parts) == sorted(
+        [files.single_file, files.lora_file, files.lora_kohya]
+    )  # the old names are gone
     assert all(r["verified"] for r in summary["formats"].values()), summary["formats"]
     assert summary["formats"]["lora"]["max_abs_diff"] == 0  # the adapter as trained, loaded the way users do
     from safetensors import safe_open
@@ -141,8 +164,12 @@ def exported(data, full_run, tmp_path_factory):
 
 def _evaluate(data, exported, out: Path, cfg=None):
     cfg = cfg or _cfg(data)
-    inputs = {"model": exported, "manifest": data[0] / "m.jsonl", "train_summary": data[0] / "none.json",
-              "scaling": data[0] / "none.json"}
+    inputs = {
+        "model": exported,
+        "manifest": data[0] / "m.jsonl",
+        "train_summary": data[0] / "none.json",
+        "scaling": data[0] / "none.json",
+    }
     return evaluate.run(cfg, inputs, {"metrics": out / "metrics.json", "samples": out / "samples"})
 
 
@@ -167,7 +194,9 @@ def test_evaluation_is_sharded_reproducible_and_never_fakes_a_metric(data, expor
 def test_too_small_eval_split_fails_before_rendering(data, exported, tmp_path, monkeypatch):
     rows = io.read_jsonl(data[0] / "m.jsonl")
     manifest = tmp_path / "m.jsonl"
-    io.write_jsonl(manifest, [r for r in rows if r["split"] == "train"] + [next(r for r in rows if r["split"] == "eval")])
+    io.write_jsonl(
+        manifest, [r for r in rows if r["split"] == "train"] + [next(r for r in rows if r["split"] == "eval")]
+    )
     monkeypatch.setattr(evaluate, "render", lambda *a: pytest.fail("rendered before the check"))
     inputs = {"model": exported, "manifest": manifest, "train_summary": manifest, "scaling": manifest}
     with pytest.raises(UserError, match="eval_fraction"):
@@ -187,7 +216,9 @@ def test_benchmark_times_each_count_and_computes_efficiency(data, tmp_path):
     assert all(r["samples_per_s"] > 0 for r in table)
     assert io.read_json(tmp_path / "gpus-2" / "summary.json")["world_size"] == 2
     for r in table:
-        assert r["efficiency"] == pytest.approx(r["per_gpu_samples_per_s"] / table[0]["per_gpu_samples_per_s"], rel=1e-3)
+        assert r["efficiency"] == pytest.approx(
+            r["per_gpu_samples_per_s"] / table[0]["per_gpu_samples_per_s"], rel=1e-3
+        )
 
 
 def test_sampling_batches_are_even_and_sized_by_the_image():
@@ -197,20 +228,26 @@ def test_sampling_batches_are_even_and_sized_by_the_image():
     sizes = [len(b) for b in _batches(list(range(20)), 8)]
     assert sorted(sizes) == [6, 7, 7] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape
     assert [len(b) for b in _batches(list(range(64)), 16)] == [16] * 4
-    assert (batch_size("auto", False, 512, 512), batch_size("auto", True, 512, 512),
-            batch_size("auto", True, 1024, 1024), batch_size(5, True, 512, 512)) == (8, 16, 4, 5)
+    assert (
+        batch_size("auto", False, 512, 512),
+        batch_size("auto", True, 512, 512),
+        batch_size("auto", True, 1024, 1024),
+        batch_size(5, True, 512, 512),
+    ) == (8, 16, 4, 5)
     assert sampling_compile("auto", True, 64) == "eager" and sampling_compile("auto", True, 5000) == "blocks"
     assert sampling_compile("blocks", False, 5000) == "eager"  # nothing compiles on a CPU
 
 
-@pytest.mark.parametrize("family, cross_dim, prediction, version, arch", [
-    ("sdxl", 2048, "epsilon", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
-    ("sd", 1024, "v_prediction", "sd_v2", "stable-diffusion-v2-768-v"),
-    ("sd", 1024, "epsilon", "sd_v2", "stable-diffusion-v2-512"),
-    ("sd", 768, "epsilon", "sd_v1", "stable-diffusion-v1"),
-])
-def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family, cross_dim, prediction, version,
-                                                                arch):
+@pytest.mark.parametrize(
+    "family, cross_dim, prediction, version, arch",
+    [
+        ("sdxl", 2048, "epsilon", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
+        ("sd", 1024, "v_prediction", "sd_v2", "stable-diffusion-v2-768-v"),
+        ("sd", 1024, "epsilon", "sd_v2", "stable-diffusion-v2-512"),
+        ("sd", 768, "epsilon", "sd_v1", "stable-diffusion-v1"),
+    ],
+)
+def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family, cross_dim, prediction, version, arch):
     from sdpipe.export.metadata import file_metadata
 
     io.write_json(tmp_path / "unet" / "config.json", {"cross_attention_dim": cross_dim})
@@ -228,10 +265,16 @@ def test_exported_files_name_their_base_as_other_tools_read_it(tmp_path, family,
 def _card(data, train_dir: Path, export_dir: Path, eval_dir: Path, out: Path, cfg=None) -> str:
     from sdpipe.stages import card
 
-    inputs = {"prepare": data[0] / "p.json", "manifest": data[0] / "m.jsonl", "captions": data[0] / "c.jsonl",
-              "train_summary": train_dir / "summary.json", "export": export_dir / "summary.json",
-              "metrics": eval_dir / "metrics.json", "eval_grid": eval_dir / "samples" / "grid.png",
-              "eval_prompts": eval_dir / "samples" / "prompts.json"}
+    inputs = {
+        "prepare": data[0] / "p.json",
+        "manifest": data[0] / "m.jsonl",
+        "captions": data[0] / "c.jsonl",
+        "train_summary": train_dir / "summary.json",
+        "export": export_dir / "summary.json",
+        "metrics": eval_dir / "metrics.json",
+        "eval_grid": eval_dir / "samples" / "grid.png",
+        "eval_prompts": eval_dir / "samples" / "prompts.json",
+    }
     return card.run(cfg or _cfg(data), inputs, {"card": out / "README.md", "grid": out / "samples.png"})
 
 
@@ -277,8 +320,11 @@ def test_the_model_card_describes_the_real_run_and_its_code_runs(data, full_run,
     hub = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # the card reads the config only: no weights needed
     cfg = _cfg(data, model={"pretrained": hub}, export={"name": "my-model"})
     meta = _front_matter(_card(data, full_run.parent, exported.parent, tmp_path / "eval", tmp_path / "hub", cfg))
-    assert (meta["base_model"], meta["base_model_relation"], meta["license"]) == (hub, "finetune",
-                                                                                   "creativeml-openrail-m")
+    assert (meta["base_model"], meta["base_model_relation"], meta["license"]) == (
+        hub,
+        "finetune",
+        "creativeml-openrail-m",
+    )
 
 
 def test_a_lora_card_loads_the_named_lora_on_its_base(data, tmp_path, monkeypatch):

@@ -57,8 +57,9 @@ def _trained_lora(preset: str, model: Path, out: Path) -> Path:
                 if "lora_" in param_name:
                     p.copy_(0.1 * torch.randn_like(p))
         part.peft_config = {"default": config}
-        layers.update({f"{name}_lora_layers": get_peft_model_state_dict(part),
-                       f"{name}_lora_adapter_metadata": config.to_dict()})
+        layers.update(
+            {f"{name}_lora_layers": get_peft_model_state_dict(part), f"{name}_lora_adapter_metadata": config.to_dict()}
+        )
     type(pipe).save_lora_weights(str(out), **layers)
     return out
 
@@ -84,8 +85,10 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: {len(bad)} of {len(want)} tensors differ, e.g. {bad[0]}"
 
 
-@pytest.mark.parametrize("preset, dtype", [("tiny", "fp32"), ("tiny-sdxl", "fp32"), ("tiny", "fp16"),
-                                           ("tiny-sdxl", "fp16"), ("tiny", "bf16")])
+@pytest.mark.parametrize(
+    "preset, dtype",
+    [("tiny", "fp32"), ("tiny-sdxl", "fp32"), ("tiny", "fp16"), ("tiny-sdxl", "fp16"), ("tiny", "bf16")],
+)
 def test_single_file_loads_back_in_diffusers(built, tmp_path, preset, dtype) -> None:
     model, pipe, _ = built(preset)
     path = single_file.export_single_file(model, tmp_path / "model.safetensors", dtype=dtype)
@@ -115,9 +118,11 @@ def test_full_size_layout_matches_diffusers_converter(preset, model_type) -> Non
     state = single_file.original_state_dict(unet, vae, encoders, family)
     assert ref.infer_diffusers_model_type(state) == model_type
     clip = ref.convert_ldm_clip_checkpoint(state)  # keeps text_model., which a flattened CLIPTextModel lacks
-    converted = {"unet": ref.convert_ldm_unet_checkpoint(state, unet.config),
-                 "vae": ref.convert_ldm_vae_checkpoint(state, vae.config),
-                 "text_encoder": {k.removeprefix("text_model."): v for k, v in clip.items()}}
+    converted = {
+        "unet": ref.convert_ldm_unet_checkpoint(state, unet.config),
+        "vae": ref.convert_ldm_vae_checkpoint(state, vae.config),
+        "text_encoder": {k.removeprefix("text_model."): v for k, v in clip.items()},
+    }
     models = {"unet": unet, "vae": vae, "text_encoder": encoders[0]}
     if family == "sdxl":
         converted["text_encoder_2"] = ref.convert_open_clip_checkpoint(encoders[1], state, single_file.OPEN_CLIP_PREFIX)
@@ -159,15 +164,21 @@ def test_kohya_lora_fuses_like_the_diffusers_lora(built, tmp_path, preset) -> No
     from_kohya = lora_export.fused_pipeline(model, tmp_path / "lora.safetensors")
     for name in components:
         got, want = getattr(from_kohya, name).state_dict(), getattr(from_diffusers, name).state_dict()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"{preset} {name}: {m}")
-    modules = [("unet", "mid_block.attentions.0.transformer_blocks.0.attn1.to_q"),
-               *[(name, m) for name, m in lora_export.lora_modules(lora_export.read_lora(lora)[0])
-                 if name != "unet" and m.endswith("layers.1.self_attn.q_proj")]]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{preset} {name}: {m}")
+    modules = [
+        ("unet", "mid_block.attentions.0.transformer_blocks.0.attn1.to_q"),
+        *[
+            (name, m)
+            for name, m in lora_export.lora_modules(lora_export.read_lora(lora)[0])
+            if name != "unet" and m.endswith("layers.1.self_attn.q_proj")
+        ],
+    ]
     assert len(modules) == len(components)
     for name, module in modules:
         fused, base = getattr(from_kohya, name).state_dict(), getattr(pipe, name).state_dict()
-        _assert_lora_update(fused[f"{module}.weight"], base[f"{module}.weight"], kohya,
-                            lora_export.kohya_name(name, module, family))
+        _assert_lora_update(
+            fused[f"{module}.weight"], base[f"{module}.weight"], kohya, lora_export.kohya_name(name, module, family)
+        )
 
 
 def test_lora_base_mismatch_is_a_clear_error(built, tmp_path) -> None:
@@ -180,8 +191,9 @@ def test_lora_base_mismatch_is_a_clear_error(built, tmp_path) -> None:
     with pytest.raises(UserError, match="it adapts text_encoder_2, which the base model does not have"):
         lora_export.check_lora_matches(xl_lora, tiny)
     state = load_file(tiny_lora / lora_export.LORA_FILE)
-    save_file({k.replace("down_blocks.0.", "down_blocks.7."): v for k, v in state.items()},
-              tmp_path / "renamed.safetensors")
+    save_file(
+        {k.replace("down_blocks.0.", "down_blocks.7."): v for k, v in state.items()}, tmp_path / "renamed.safetensors"
+    )
     with pytest.raises(UserError, match="its unet has no layer down_blocks.7.attentions.0"):
         lora_export.check_lora_matches(tmp_path / "renamed.safetensors", tiny)
 

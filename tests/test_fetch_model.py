@@ -35,8 +35,11 @@ EXTRAS = {  # what real diffusers repos carry beside the files a job reads (SD 1
 
 
 def _repo_files(tiny_model: Path) -> dict[str, bytes]:
-    files = {p.relative_to(tiny_model).as_posix(): p.read_bytes() for p in tiny_model.rglob("*")
-             if p.is_file() and p.name != owned.MARKER}  # a Hub repository holds no mark of sdpipe's own presets
+    files = {
+        p.relative_to(tiny_model).as_posix(): p.read_bytes()
+        for p in tiny_model.rglob("*")
+        if p.is_file() and p.name != owned.MARKER
+    }  # a Hub repository holds no mark of sdpipe's own presets
     index = json.loads(files["model_index.json"])
     index["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
     files["model_index.json"] = json.dumps(index).encode()
@@ -61,8 +64,10 @@ def test_only_the_job_s_files_come_down(hub, tiny_model, tmp_path, variant) -> N
     hub.add(REPO_ID, files)
     lines = fetch_model(_cfg(tmp_path, REPO_ID, variant=variant))
     suffix = ".fp16.safetensors" if variant else ".safetensors"
-    weights_wanted = {f"{c}/{n}{suffix}" for c, n in [("unet", "diffusion_pytorch_model"),
-                                                      ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]}
+    weights_wanted = {
+        f"{c}/{n}{suffix}"
+        for c, n in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]
+    }
     assert set(hub.downloaded()) == _small_files(files) | weights_wanted
     total = sum(len(files[f]) for f in _small_files(files) | weights_wanted)
     assert lines[-1] == f"total {total / 1e6:.1f} MB in {len(weights_wanted) + len(_small_files(files))} files"
@@ -79,7 +84,7 @@ def test_fetched_files_load_offline(hub, tiny_model, tmp_path, monkeypatch) -> N
     unet = loading.load_unet(REPO_ID)
     want = loading.load_unet(str(tiny_model)).state_dict()
     assert all(torch.equal(v, want[k]) for k, v in unet.state_dict().items())
-    (_, status, ok), = doctor.weight_rows(_cfg(tmp_path, REPO_ID))
+    ((_, status, ok),) = doctor.weight_rows(_cfg(tmp_path, REPO_ID))
     assert ok, status
     assert len(hub.requests) == requests, "nothing asked of the Hub once fetched"
 
@@ -120,8 +125,14 @@ def test_the_command_prints_what_it_fetched(hub, tiny_model, tmp_path) -> None:
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(small_config(tmp_path, tmp_path / "raw", REPO_ID)))
     env = {**os.environ, **hub.env}
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "sdpipe", "fetch-model", "--config", str(cfg_file),
-                                         *extra], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "-m", "sdpipe", "fetch-model", "--config", str(cfg_file), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     done = run()
     assert done.returncode == 0, done.stderr
     assert f"{REPO_ID}: weights, configs and tokenizers in " in done.stdout and "\ntotal " in done.stdout

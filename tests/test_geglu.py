@@ -28,10 +28,12 @@ def _compiled_run(model, x) -> dict:
         def compiler(gm, example_inputs):
             ops[tag] += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
             return gm
+
         return compiler
 
-    out = torch.compile(model, backend=aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw")),
-                        dynamic=False)(x)
+    out = torch.compile(
+        model, backend=aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw")), dynamic=False
+    )(x)
     out.square().mean().backward()
     return {"out": out, **ops}
 

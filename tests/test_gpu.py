@@ -46,8 +46,27 @@ def test_bench_runs_end_to_end_on_the_tiny_preset(tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-m", "sdpipe", "bench", "--preset", "tiny", "--images", "64", "--steps", "4",
-                    "--warmup", "2", "--work", str(tmp_path), "--out", str(tmp_path / "results")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "bench",
+            "--preset",
+            "tiny",
+            "--images",
+            "64",
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "results"),
+        ],
+        check=True,
+    )
     saved = json.loads((tmp_path / "results" / "bench-tiny.json").read_text())["presets"]["tiny"]
     assert {r["kind"] for r in saved["rows"]} == {"baseline", "sdpipe"}
     assert all(r["samples_per_s"] > 0 for r in saved["rows"])

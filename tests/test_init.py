@@ -19,13 +19,23 @@ from tests.workflow_helpers import REPO, run
 
 # What shrinks a template's job to the tiny preset and a few CPU steps: a second config file on the command line,
 # merged over the project's (the effective-config rule), so the project's own file stays the template's.
-FAST = {"prepare": {"min_size": 32, "eval_fraction": 0.0, "workers": 1, "buckets": {"resolution": 32, "step": 8}},
-        "latents": {"dtype": "fp32", "gpus": 0},
-        "dreambooth": {"num_class_images": 2, "steps": 2, "batch_size": 2, "gpus": 0},
-        "train": {"max_steps": 3, "epochs": 1, "per_device_batch_size": 2, "grad_accum_steps": 1, "lr_warmup_steps": 0,
-                  "mixed_precision": "fp32", "validation": {"every": 0}, "gradient_checkpointing": False},
-        "export": {"verify": {"steps": 2}},
-        "evaluate": {"steps": 2, "seeds": [0], "batch_size": 2, "fid": {"enabled": False}}}
+FAST = {
+    "prepare": {"min_size": 32, "eval_fraction": 0.0, "workers": 1, "buckets": {"resolution": 32, "step": 8}},
+    "latents": {"dtype": "fp32", "gpus": 0},
+    "dreambooth": {"num_class_images": 2, "steps": 2, "batch_size": 2, "gpus": 0},
+    "train": {
+        "max_steps": 3,
+        "epochs": 1,
+        "per_device_batch_size": 2,
+        "grad_accum_steps": 1,
+        "lr_warmup_steps": 0,
+        "mixed_precision": "fp32",
+        "validation": {"every": 0},
+        "gradient_checkpointing": False,
+    },
+    "export": {"verify": {"steps": 2}},
+    "evaluate": {"steps": 2, "seeds": [0], "batch_size": 2, "fid": {"enabled": False}},
+}
 DREAMBOOTH = {"instance_prompt": "a photo of sks shape", "class_prompt": "a photo of a shape"}
 
 
@@ -120,13 +130,29 @@ def test_two_commands_from_photos_to_a_lora_diffusers_loads(tmp_path, photos, ti
     """The README's path: `sdpipe init` then `snakemake --profile runpod` (shrunk to the tiny preset and 3 CPU
     steps by a second config file), ending in a LoRA that `load_lora_weights` loads into the base model."""
     project = tmp_path / "job"
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora",
-                           "--images", str(photos), "--model", str(tiny_model)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "init",
+            str(project),
+            "--template",
+            "sd15-lora",
+            "--images",
+            str(photos),
+            "--model",
+            str(tiny_model),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "next: cd" in proc.stdout and "snakemake --profile runpod" in proc.stdout
     (project / "fast.yaml").write_text(yaml.safe_dump(FAST))
-    run(["snakemake", "--profile", "runpod", "--cores", "2", "--configfile", "config/config.yaml", "fast.yaml"],
-        project)
+    run(
+        ["snakemake", "--profile", "runpod", "--cores", "2", "--configfile", "config/config.yaml", "fast.yaml"], project
+    )
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model)

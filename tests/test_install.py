@@ -27,8 +27,9 @@ def installed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("install")
     wheels, target = root / "wheels", root / "site"
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)], check=True,
-                   cwd=root)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)], check=True, cwd=root
+    )
     wheel = next(wheels.glob("sdpipe-*.whl"))
     subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)], check=True)
     return target
@@ -59,8 +60,15 @@ def project(tmp_path, demo_source) -> Path:
 
 
 def test_the_installed_package_is_the_one_imported(installed, tmp_path):
-    proc = run([sys.executable, "-c", "import sdpipe, sdpipe.config as c; print(sdpipe.__file__); "
-                                      "print(len(c.load_schema()['properties']))"], tmp_path, installed)
+    proc = run(
+        [
+            sys.executable,
+            "-c",
+            "import sdpipe, sdpipe.config as c; print(sdpipe.__file__); print(len(c.load_schema()['properties']))",
+        ],
+        tmp_path,
+        installed,
+    )
     where, sections = proc.stdout.split()
     assert Path(where).is_relative_to(installed), where
     assert int(sections) > 5
@@ -89,16 +97,31 @@ def test_init_from_the_installed_package_makes_a_project_snakemake_plans(install
     (SDPIPE_IMAGE_PROJECT; here this checkout stands in for /opt/sdpipe)."""
     env_project = {"SDPIPE_IMAGE_PROJECT": str(REPO)}
     job = tmp_path / "job"
-    cmd = ["sdpipe", "init", str(job), "--template", "sd15-lora", "--images", str(demo_source), "--model",
-           str(tiny_model), "--prompt", "a red circle"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**project_env(installed), **env_project}, capture_output=True,
-                          text=True)
+    cmd = [
+        "sdpipe",
+        "init",
+        str(job),
+        "--template",
+        "sd15-lora",
+        "--images",
+        str(demo_source),
+        "--model",
+        str(tiny_model),
+        "--prompt",
+        "a red circle",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**project_env(installed), **env_project}, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (job / "sdpipe").exists() and (job / "Snakefile").is_file()
     fast = {"prepare": {"min_size": 32, "buckets": {"resolution": 32, "step": 8}}}
     (job / "fast.yaml").write_text(yaml.safe_dump(fast))
-    proc = run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/config.yaml",
-                "fast.yaml"], job, installed)
+    proc = run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/config.yaml", "fast.yaml"],
+        job,
+        installed,
+    )
     assert "rule train:" in proc.stdout and "rule base_model" not in proc.stdout
 
 
@@ -111,7 +134,9 @@ def test_the_dockerfile_takes_the_same_path():
     `sdpipe pod` seeds a project with (pod.TEMPLATE), the steps the tests above take."""
     lines = dockerfile()
     text = (REPO / "Dockerfile").read_text()
-    installs = [" ".join(parts) for parts in lines if "pip" in parts and "install" in parts and '".[workflow]"' in parts]
+    installs = [
+        " ".join(parts) for parts in lines if "pip" in parts and "install" in parts and '".[workflow]"' in parts
+    ]
     assert installs and not any(" -e " in f" {line} " or "--editable" in line for line in installs), installs
     copied = {src for parts in lines if parts[0] == "COPY" for src in parts[1:-1]}
     linked = {parts[-1] for parts in lines if parts[:3] == ["RUN", "ln", "-s"]}

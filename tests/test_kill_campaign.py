@@ -51,8 +51,7 @@ def _killed_then_rerun(cmd: list[str], moment: float) -> tuple[bool, float]:
 def _rerun(cmd: list[str], timeout_s: float = RERUN_TIMEOUT_S) -> tuple[int | None, str]:
     """Run `cmd` in its own process group: (exit code, stderr). One that hangs is killed whole (launcher and ranks
     too, which would otherwise go on using the CI machine's cores) and reported with exit code None."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -69,8 +68,10 @@ def _timed(cmd: list[str]) -> float:
 
 
 def _report(kind: str, outcomes: list[bool], landed: list[bool]) -> None:
-    print(f"kill campaign, {kind}: {len(outcomes)} trials ({sum(landed)} killed mid-run), "
-          f"{sum(outcomes)} survived, {len(outcomes) - sum(outcomes)} lost")
+    print(
+        f"kill campaign, {kind}: {len(outcomes)} trials ({sum(landed)} killed mid-run), "
+        f"{sum(outcomes)} survived, {len(outcomes) - sum(outcomes)} lost"
+    )
 
 
 def test_kills_during_caching(tmp_path, tiny_model):
@@ -80,9 +81,22 @@ def test_kills_during_caching(tmp_path, tiny_model):
         cfg = small_config(tmp_path / name, raw, tiny_model, latents={"batch_size": 1})
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "c.yaml").write_text(yaml.safe_dump(cfg))
-        return [sys.executable, "-m", "sdpipe", "latents", "--config", str(tmp_path / name / "c.yaml"), "--manifest",
-                str(manifest), "--captions", str(captions), "--index", str(tmp_path / name / "i.json"),
-                "--summary", str(tmp_path / name / "s.json")]
+        return [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "latents",
+            "--config",
+            str(tmp_path / name / "c.yaml"),
+            "--manifest",
+            str(manifest),
+            "--captions",
+            str(captions),
+            "--index",
+            str(tmp_path / name / "i.json"),
+            "--summary",
+            str(tmp_path / name / "s.json"),
+        ]
 
     wall = _timed(command("reference"))
     reference = _latents(tmp_path / "reference")
@@ -107,14 +121,31 @@ def _latents(project) -> dict:
 @pytest.mark.parametrize("processes, trials", [(1, 2), (2, 2)])
 def test_kills_during_training(tmp_path, cache, processes, trials):  # noqa: F811 (the fixture imported above)
     index, raw_cfg = cache
-    settings = {**TRAIN, "max_steps": 8, "checkpoint_every": 2, "num_processes": processes,
-                "per_device_batch_size": 4 // processes}
+    settings = {
+        **TRAIN,
+        "max_steps": 8,
+        "checkpoint_every": 2,
+        "num_processes": processes,
+        "per_device_batch_size": 4 // processes,
+    }
 
     def command(name: str) -> list[str]:
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**raw_cfg, "train": settings}))
         out = tmp_path / name
-        return [sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / f"{name}.yaml"), "--index",
-                str(index), "--out", str(out), "--summary", str(out / "summary.json")]
+        return [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "train",
+            "--config",
+            str(tmp_path / f"{name}.yaml"),
+            "--index",
+            str(index),
+            "--out",
+            str(out),
+            "--summary",
+            str(out / "summary.json"),
+        ]
 
     wall = _timed(command("reference"))
     reference = unet_weights(tmp_path / "reference")

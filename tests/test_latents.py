@@ -53,11 +53,33 @@ def make_inputs(tmp: Path, count: int, sizes=((64, 64), (96, 48))) -> tuple[Path
         (raw / path).write_bytes(data)
         image_id = hashlib.sha256(data).hexdigest()
         bucket = [32, 32] if size[0] == size[1] else [48, 24]
-        manifest.append({"id": image_id, "path": path, "width": size[0], "height": size[1], "format": "PNG",
-                         "mode": "RGB", "bucket": bucket, "split": "train", "repeats": 1, "folder": "",
-                         "sidecar": f"caption {i % 4}", "sidecar_path": None})
-        captions.append({"id": image_id, "path": path, "split": "train", "caption": f"caption {i % 4}",
-                         "source": "sidecar", "provenance": {"source": "sidecar"}, "error": None})
+        manifest.append(
+            {
+                "id": image_id,
+                "path": path,
+                "width": size[0],
+                "height": size[1],
+                "format": "PNG",
+                "mode": "RGB",
+                "bucket": bucket,
+                "split": "train",
+                "repeats": 1,
+                "folder": "",
+                "sidecar": f"caption {i % 4}",
+                "sidecar_path": None,
+            }
+        )
+        captions.append(
+            {
+                "id": image_id,
+                "path": path,
+                "split": "train",
+                "caption": f"caption {i % 4}",
+                "source": "sidecar",
+                "provenance": {"source": "sidecar"},
+                "error": None,
+            }
+        )
     io.write_jsonl(tmp / "manifest.jsonl", manifest)
     io.write_jsonl(tmp / "captions.jsonl", captions)
     return raw, tmp / "manifest.jsonl", tmp / "captions.jsonl"
@@ -193,8 +215,22 @@ def test_kill_during_caching_loses_only_the_batch_in_flight(tmp_path, tiny_model
     raw, manifest, captions = make_inputs(tmp_path, 40)
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(small_config(tmp_path, raw, tiny_model, latents={"batch_size": 1})))
-    cmd = [sys.executable, "-m", "sdpipe", "latents", "--config", str(cfg_path), "--manifest", str(manifest),
-           "--captions", str(captions), "--index", str(tmp_path / "i.json"), "--summary", str(tmp_path / "s.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdpipe",
+        "latents",
+        "--config",
+        str(cfg_path),
+        "--manifest",
+        str(manifest),
+        "--captions",
+        str(captions),
+        "--index",
+        str(tmp_path / "i.json"),
+        "--summary",
+        str(tmp_path / "s.json"),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = ShardStore(tmp_path / "cache" / "latents")
     deadline = time.time() + 120
@@ -239,13 +275,16 @@ def test_the_compiled_encoder_turns_on_cudnns_autotuner(tiny_model, monkeypatch)
     assert torch.backends.cudnn.benchmark
 
 
-@pytest.mark.parametrize(("free_gib", "bucket", "dtype", "expected"), [
-    (130, [512, 512], torch.bfloat16, 64),  # an H200 at SD resolution: the fastest batch measured (v10)
-    (22, [512, 512], torch.bfloat16, 32),   # a 24 GB card: 64 would need about 20.3 GiB, more than 80 % of 22
-    (22, [512, 512], torch.float32, 16),    # float32 activations take twice the memory
-    (130, [1024, 1024], torch.float32, 32),  # 2.5 GiB an image: 64 would take 162
-    (0.5, [1024, 1024], torch.bfloat16, 1),  # nothing fits: one image at a time rather than no run
-])
+@pytest.mark.parametrize(
+    ("free_gib", "bucket", "dtype", "expected"),
+    [
+        (130, [512, 512], torch.bfloat16, 64),  # an H200 at SD resolution: the fastest batch measured (v10)
+        (22, [512, 512], torch.bfloat16, 32),  # a 24 GB card: 64 would need about 20.3 GiB, more than 80 % of 22
+        (22, [512, 512], torch.float32, 16),  # float32 activations take twice the memory
+        (130, [1024, 1024], torch.float32, 32),  # 2.5 GiB an image: 64 would take 162
+        (0.5, [1024, 1024], torch.bfloat16, 1),  # nothing fits: one image at a time rather than no run
+    ],
+)
 def test_auto_batch_is_the_largest_that_fits_in_free_gpu_memory(monkeypatch, free_gib, bucket, dtype, expected):
     from sdpipe.stages import encode_worker
 

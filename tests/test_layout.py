@@ -25,9 +25,11 @@ def _conv_inputs_in_traced_graphs(model, x) -> dict:
             for node in gm.graph.nodes:
                 if node.op == "call_function" and "convolution" in str(node.target):
                     vals = [a.meta["val"] for a in node.args[:3] if isinstance(a, torch.fx.Node)]
-                    seen[tag].append(all(v.is_contiguous(memory_format=torch.channels_last) for v in vals
-                                         if v.dim() == 4))  # not the bias
+                    seen[tag].append(
+                        all(v.is_contiguous(memory_format=torch.channels_last) for v in vals if v.dim() == 4)
+                    )  # not the bias
             return gm
+
         return compiler
 
     backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
@@ -38,7 +40,8 @@ def _conv_inputs_in_traced_graphs(model, x) -> dict:
 
 def _channels_last_input():
     return torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(1)).contiguous(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
 
 
 def test_diffusers_contiguous_call_makes_an_nchw_convolution_input_without_the_swap():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -57,17 +56,34 @@ def test_a_second_run_in_the_same_folder_is_refused(tmp_path):
 
 
 def test_a_run_waits_for_a_dead_runs_rank_then_refuses_a_living_one(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from sdpipe.train import lifeline; lifeline.hold_rank_lock(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(float(sys.argv[2]))", str(tmp_path), "1.5"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from sdpipe.train import lifeline; lifeline.hold_rank_lock(Path(sys.argv[1])); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))",
+            str(tmp_path),
+            "1.5",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with lifeline.run_lock(tmp_path, rank_wait_s=30):  # the rank exits after 1.5 s; the run goes on then
         assert holder.poll() is not None
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from sdpipe.train import lifeline; lifeline.hold_rank_lock(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(60)", str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from sdpipe.train import lifeline; lifeline.hold_rank_lock(Path(sys.argv[1])); "
+            "print('held', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match="still hold"):
@@ -80,10 +96,18 @@ def test_a_run_waits_for_a_dead_runs_rank_then_refuses_a_living_one(tmp_path):
 def test_a_run_waits_for_every_rank_of_a_dead_run_not_only_rank_0(tmp_path):
     """A rank other than 0 that outlives rank 0 by a moment could still reach the new run's rendezvous on the same
     port (suspected in the 2-process kill campaign's lost trial): the new run waits for it too."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from sdpipe.train import lifeline; lifeline.hold_ranks_lock(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(1.5)", str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from sdpipe.train import lifeline; lifeline.hold_ranks_lock(Path(sys.argv[1])); "
+            "print('held', flush=True); time.sleep(1.5)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with lifeline.run_lock(tmp_path, rank_wait_s=30):
         assert holder.poll() is not None

@@ -36,8 +36,12 @@ def images(n: int, seed: int, brightness: int = 0, sizes=((32, 32), (24, 40))) -
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return [Image.fromarray(np.clip(rng.integers(0, 200, (*sizes[i % len(sizes)], 3)) + brightness, 0, 255).astype(np.uint8))
-            for i in range(n)]
+    return [
+        Image.fromarray(
+            np.clip(rng.integers(0, 200, (*sizes[i % len(sizes)], 3)) + brightness, 0, 255).astype(np.uint8)
+        )
+        for i in range(n)
+    ]
 
 
 def small_network(dims: int = 8, device: str = "cpu"):
@@ -46,8 +50,17 @@ def small_network(dims: int = 8, device: str = "cpu"):
     from torch import nn
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, dims, 3, stride=2),
-                        nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval().to(device)
+    net = (
+        nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(16, dims, 3, stride=2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        .eval()
+        .to(device)
+    )
     return lambda batch: net(batch.float() / 255)
 
 
@@ -55,11 +68,13 @@ def one_by_one(feature_fn, imgs: list) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return np.stack([feature_fn(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None])[0].double().numpy()
-                         for im in imgs])
+        return np.stack(
+            [feature_fn(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None])[0].double().numpy() for im in imgs]
+        )
 
 
-# --- FID maths -------------------------------------------------------------------------------------------------------
+# --- FID maths --------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n, d, shift", [(200, 8, 0.0), (300, 32, 0.5), (100, 64, -2.0)])
 def test_frechet_distance_matches_scipy(n, d, shift):
@@ -92,7 +107,8 @@ def test_identical_sets_give_zero_and_bad_inputs_raise():
         fid.feature_stats(features(1, 16, 7))
 
 
-# --- FID from images ---------------------------------------------------------------------------------------------------
+# --- FID from images --------------------------------------------------------------------------------------------------
+
 
 def test_fid_from_images_matches_scipy_on_the_same_features():
     net = small_network()
@@ -170,7 +186,8 @@ def test_standard_inception_found_in_torch_home_and_run(tmp_path, monkeypatch):
         fid.load_inception(path)
 
 
-# --- CLIP score --------------------------------------------------------------------------------------------------------
+# --- CLIP score -------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory) -> SimpleNamespace:
@@ -178,15 +195,20 @@ def tiny_clip(tmp_path_factory) -> SimpleNamespace:
     import torch
 
     root = tmp_path_factory.mktemp("clip")
-    cfg = {"embed_dim": 16,
-           "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
     (root / "sdpipe-metrics-clip.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(root / "sdpipe-metrics-clip.json")
     torch.manual_seed(1)  # a seed whose random model gives both positive and negative cosines below
     torch.save(open_clip.create_model("sdpipe-metrics-clip").state_dict(), root / "clip.pt")
-    return SimpleNamespace(model="sdpipe-metrics-clip", pretrained=str(root / "clip.pt"),
-                           model_config=str(root / "sdpipe-metrics-clip.json"))
+    return SimpleNamespace(
+        model="sdpipe-metrics-clip",
+        pretrained=str(root / "clip.pt"),
+        model_config=str(root / "sdpipe-metrics-clip.json"),
+    )
 
 
 def manual_scores(settings, imgs: list, prompts: list[str]) -> list[float]:
@@ -248,16 +270,19 @@ def test_metrics_on_gpu_match_cpu(tiny_clip):
     assert got == pytest.approx(expected, rel=1e-2)  # cuDNN may use TF32 for the convolutions
 
 
-# --- fetch-weights offline ---------------------------------------------------------------------------------------------
+# --- fetch-weights offline --------------------------------------------------------------------------------------------
+
 
 def test_fetch_weights_offline_fails_with_one_line(tmp_path, monkeypatch):
-    import torch.hub
-    from huggingface_hub import constants
     from urllib.error import URLError
 
+    import torch.hub
+    from huggingface_hub import constants
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    monkeypatch.setattr(torch.hub, "download_url_to_file",
-                        lambda *a, **k: (_ for _ in ()).throw(URLError("Name or service not known")))
+    monkeypatch.setattr(
+        torch.hub, "download_url_to_file", lambda *a, **k: (_ for _ in ()).throw(URLError("Name or service not known"))
+    )
     with pytest.raises(UserError) as err:
         fetch.fetch_inception()
     assert "\n" not in str(err.value) and "no internet" in str(err.value) and INCEPTION_FILE in str(err.value)

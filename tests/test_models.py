@@ -14,8 +14,12 @@ from sdpipe.errors import UserError
 from sdpipe.models import loading, presets
 from sdpipe.models.tokenizer import build_clip_tokenizer
 
-CAPTIONS = ["a photo of a cat", "A RED Circle on a blue background.", "it's 2024, isn't it? naïve café",
-            "a painting of " + "a very large tree and " * 30 + "a house"]  # the last one is truncated at 77
+CAPTIONS = [
+    "a photo of a cat",
+    "A RED Circle on a blue background.",
+    "it's 2024, isn't it? naïve café",
+    "a painting of " + "a very large tree and " * 30 + "a house",
+]  # the last one is truncated at 77
 
 
 def _open_clip_ids(texts: list[str]) -> torch.Tensor:
@@ -119,13 +123,19 @@ def test_tiny_sdxl_family(tiny_xl: str) -> None:
     torch.testing.assert_close(out["pooled"], pooled)
     time_ids = torch.tensor([[32.0, 32, 0, 0, 32, 32]] * 4)
     with torch.no_grad():
-        eps = loading.load_unet(tiny_xl)(torch.randn(4, 4, 8, 8), torch.tensor([1, 10, 100, 999]), out["hidden"],
-                                         added_cond_kwargs={"text_embeds": out["pooled"], "time_ids": time_ids}).sample
+        eps = loading.load_unet(tiny_xl)(
+            torch.randn(4, 4, 8, 8),
+            torch.tensor([1, 10, 100, 999]),
+            out["hidden"],
+            added_cond_kwargs={"text_embeds": out["pooled"], "time_ids": time_ids},
+        ).sample
     assert eps.shape == (4, 4, 8, 8)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return {f"{f.parent.name}/{k}": v for f in sorted(model_dir.rglob("*.safetensors")) for k, v in load_file(f).items()}
+    return {
+        f"{f.parent.name}/{k}": v for f in sorted(model_dir.rglob("*.safetensors")) for k, v in load_file(f).items()
+    }
 
 
 def test_same_seed_same_weights(tiny: str, tmp_path: Path) -> None:
@@ -171,9 +181,16 @@ def test_loading_errors_are_user_errors(tiny: str, tmp_path: Path) -> None:
         loading.load_text_stack("nobody-sdpipe-test/not-a-model")  # a hub id not in the cache: no download tried
 
 
-@pytest.mark.parametrize("mode, device, kind", [
-    ("auto", "cpu", "eager"), ("auto", "cuda", "whole"), ("blocks", "cpu", "blocks"), ("eager", "cuda", "eager"),
-    ("compiled", "cpu", "whole")])
+@pytest.mark.parametrize(
+    "mode, device, kind",
+    [
+        ("auto", "cpu", "eager"),
+        ("auto", "cuda", "whole"),
+        ("blocks", "cpu", "blocks"),
+        ("eager", "cuda", "eager"),
+        ("compiled", "cpu", "whole"),
+    ],
+)
 def test_training_forward_compiles_where_configured(tiny_model, mode, device, kind):
     """train.compile picks the callable; an undecided auto (resolve_compile decides it for a run) compiles the
     whole UNet on GPUs, nothing on a CPU. torch.compile is lazy, so nothing is compiled here."""
@@ -183,13 +200,21 @@ def test_training_forward_compiles_where_configured(tiny_model, mode, device, ki
 
     unet = loading.load_unet(str(tiny_model))
     forward = training_forward(SimpleNamespace(train=SimpleNamespace(compile=mode)), unet, torch.device(device))
-    got = ("whole" if isinstance(forward, torch._dynamo.eval_frame.OptimizedModule)
-           else "blocks" if hasattr(forward, "regions") else "eager" if forward is unet else "?")
+    got = (
+        "whole"
+        if isinstance(forward, torch._dynamo.eval_frame.OptimizedModule)
+        else "blocks"
+        if hasattr(forward, "regions")
+        else "eager"
+        if forward is unet
+        else "?"
+    )
     assert got == kind
 
 
-@pytest.mark.parametrize("mode, device, prepared", [("auto", "cuda", True), ("compiled", "cpu", False),
-                                                    ("eager", "cuda", False)])
+@pytest.mark.parametrize(
+    "mode, device, prepared", [("auto", "cuda", True), ("compiled", "cpu", False), ("eager", "cuda", False)]
+)
 def test_a_compiled_gpu_step_gets_the_channels_last_layers(mode, device, prepared):
     """Only the compiled GPU step is rearranged (the device is only named here: the decision, not the tensors)."""
     from types import SimpleNamespace
@@ -210,8 +235,9 @@ def test_a_compiled_gpu_step_gets_the_channels_last_layers(mode, device, prepare
     assert isinstance(model[0], ChannelsLastInputConv2d) == prepared
 
 
-@pytest.mark.parametrize("device, samples, decided", [("cuda", 32_000, "eager"), ("cuda", 200_000, "compiled"),
-                                                       ("cpu", 10**7, "eager")])
+@pytest.mark.parametrize(
+    "device, samples, decided", [("cuda", 32_000, "eager"), ("cuda", 200_000, "compiled"), ("cpu", 10**7, "eager")]
+)
 def test_auto_compiles_only_runs_long_enough_to_repay_it(device, samples, decided):
     """1000 steps at batch 32 (the issue's sd15 run) stay eager: a cold compile costs more than it saves."""
     from sdpipe import config
@@ -224,18 +250,40 @@ def test_auto_compiles_only_runs_long_enough_to_repay_it(device, samples, decide
     assert resolve_compile(explicit, torch.device(device), samples).train.compile == "blocks"
 
 
-@pytest.mark.parametrize("index, named", [
-    ({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
-      "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-      "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-      "text_encoder_3": ["transformers", "T5EncoderModel"], "vae": ["diffusers", "AutoencoderKL"]},
-     "Stable Diffusion 3 / 3.5"),
-    ({"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
-      "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-      "vae": ["diffusers", "AutoencoderKL"]}, "Flux"),
-    ({"_class_name": "SomeDiTPipeline", "transformer": ["diffusers", "X"], "text_encoder_2": ["transformers", "Y"]},
-     "SomeDiTPipeline pipeline without a UNet"),
-])
+@pytest.mark.parametrize(
+    "index, named",
+    [
+        (
+            {
+                "_class_name": "StableDiffusion3Pipeline",
+                "transformer": ["diffusers", "SD3Transformer2DModel"],
+                "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+                "text_encoder_3": ["transformers", "T5EncoderModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+            },
+            "Stable Diffusion 3 / 3.5",
+        ),
+        (
+            {
+                "_class_name": "FluxPipeline",
+                "transformer": ["diffusers", "FluxTransformer2DModel"],
+                "text_encoder": ["transformers", "CLIPTextModel"],
+                "text_encoder_2": ["transformers", "T5EncoderModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+            },
+            "Flux",
+        ),
+        (
+            {
+                "_class_name": "SomeDiTPipeline",
+                "transformer": ["diffusers", "X"],
+                "text_encoder_2": ["transformers", "Y"],
+            },
+            "SomeDiTPipeline pipeline without a UNet",
+        ),
+    ],
+)
 def test_sd3_and_flux_folders_are_refused_not_taken_for_sdxl(tmp_path, index, named):
     """Issue 27: a minimal model_index.json of SD3 or Flux was detected as sdxl (it has a text_encoder_2)."""
     from sdpipe.models import loading
@@ -249,8 +297,11 @@ def test_sd_and_sdxl_folders_keep_their_family(tmp_path):
     from sdpipe.models import loading
 
     unet = {"unet": ["diffusers", "UNet2DConditionModel"], "text_encoder": ["transformers", "CLIPTextModel"]}
-    cases = {"StableDiffusionPipeline": (unet, "sd"), "StableDiffusionXLPipeline": (unet, "sdxl"),
-             "": ({**unet, "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}, "sdxl")}
+    cases = {
+        "StableDiffusionPipeline": (unet, "sd"),
+        "StableDiffusionXLPipeline": (unet, "sdxl"),
+        "": ({**unet, "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}, "sdxl"),
+    }
     for cls, (parts, family) in cases.items():
         (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": cls, **parts}))
         assert loading.pipeline_family(str(tmp_path)) == family

@@ -29,9 +29,14 @@ def test_the_plan_names_a_local_model_and_counts_epochs(tmp_path, tiny_model, mo
     for i in range(40):
         Image.new("RGB", (32, 32)).save(raw / f"{i}.png")
         (raw / f"{i}.txt").write_text("a caption")  # sidecars are not images
-    cfg = config.from_dict({"model": {"pretrained": str(tiny_model)}, "data": {"raw_dir": str(raw)},
-                            "prepare": {"eval_fraction": 0.0, "buckets": {"resolution": 32, "step": 8}},
-                            "train": {"mode": "lora", "max_steps": 10, "per_device_batch_size": 8}})
+    cfg = config.from_dict(
+        {
+            "model": {"pretrained": str(tiny_model)},
+            "data": {"raw_dir": str(raw)},
+            "prepare": {"eval_fraction": 0.0, "buckets": {"resolution": 32, "step": 8}},
+            "train": {"mode": "lora", "max_steps": 10, "per_device_batch_size": 8},
+        }
+    )
     text = "\n".join(plan.lines(cfg))
     assert f"model: SD 1.x/2.x from {tiny_model}, local folder" in text
     assert "LoRA rank" in text and "0 GPU(s) here, 1 process(es) x 8 per device" in text
@@ -49,9 +54,14 @@ def test_a_missing_model_is_said_in_the_plan(tmp_path):
     assert "model: NOT FOUND: model path" in text and "memory per GPU: unknown" in text
 
 
-@pytest.mark.parametrize("family, params, mode, batch, res, peak", [
-    ("sd", 859.5e6, "full", 32, 512, 50.1), ("sd", 859.5e6, "lora", 32, 512, 40.6),
-    ("sdxl", 2567.5e6, "lora", 8, 1024, 73.8)])
+@pytest.mark.parametrize(
+    "family, params, mode, batch, res, peak",
+    [
+        ("sd", 859.5e6, "full", 32, 512, 50.1),
+        ("sd", 859.5e6, "lora", 32, 512, 40.6),
+        ("sdxl", 2567.5e6, "lora", 8, 1024, 73.8),
+    ],
+)
 def test_the_memory_rule_of_thumb_reproduces_the_peaks_it_came_from(family, params, mode, batch, res, peak):
     """Its constants come from these NOTES v12 peaks; this keeps the rule and its sources together."""
     state, acts = plan.memory_gb(family, int(params), mode, batch, res, checkpointing=False)
@@ -70,10 +80,14 @@ def config_only_model(root, preset: str):
     return root
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"prepare": {"buckets": {"resolution": 32, "step": 64}}}, "resolution = 32 for a model made for 512 px"),
-    ({"prepare": {"buckets": {"resolution": 512, "step": 8}}}, "step = 8 must be a multiple of 64"),
-    ({"model": {"train_vae": {"enabled": True}}}, "for real weights set model.train_vae.enabled: false")])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"prepare": {"buckets": {"resolution": 32, "step": 64}}}, "resolution = 32 for a model made for 512 px"),
+        ({"prepare": {"buckets": {"resolution": 512, "step": 8}}}, "step = 8 must be a multiple of 64"),
+        ({"model": {"train_vae": {"enabled": True}}}, "for real weights set model.train_vae.enabled: false"),
+    ],
+)
 def test_demo_settings_on_a_real_model_fail_before_any_work(tmp_path, changes, message):
     """The demo's settings (32 px buckets of step 8, a VAE trained from the images) cannot slip into a run on real
     SD weights: the check reads the model's own config files."""

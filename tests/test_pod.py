@@ -27,8 +27,10 @@ def fake_tools(tmp_path: Path) -> Path:
     (bin_dir / "nvidia-smi").write_text(SMI)
     (bin_dir / "snakemake").write_text(
         "#!/bin/sh\n"
-        f"{sys.executable} -c 'import json, os, sys; print(json.dumps([sys.argv[1:], os.getcwd(), os.environ[\"HF_HOME\"]]))'"
-        " \"$@\" >> \"$SDPIPE_TEST_CALLS\"\n")
+        f"{sys.executable} -c 'import json, os, sys; "
+        'print(json.dumps([sys.argv[1:], os.getcwd(), os.environ["HF_HOME"]]))\''
+        ' "$@" >> "$SDPIPE_TEST_CALLS"\n'
+    )
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return bin_dir
@@ -36,14 +38,20 @@ def fake_tools(tmp_path: Path) -> Path:
 
 def pod_env(tmp_path: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env.update(PATH=f"{fake_tools(tmp_path)}:{env['PATH']}", SDPIPE_WORKSPACE=str(tmp_path / "workspace"),
-               SDPIPE_IMAGE_PROJECT=str(REPO), SDPIPE_TEST_CALLS=str(tmp_path / "calls.jsonl"), **extra)
+    env.update(
+        PATH=f"{fake_tools(tmp_path)}:{env['PATH']}",
+        SDPIPE_WORKSPACE=str(tmp_path / "workspace"),
+        SDPIPE_IMAGE_PROJECT=str(REPO),
+        SDPIPE_TEST_CALLS=str(tmp_path / "calls.jsonl"),
+        **extra,
+    )
     return env
 
 
 def pod(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdpipe", "pod", *args], env=env, capture_output=True, text=True,
-                          check=True)
+    return subprocess.run(
+        [sys.executable, "-m", "sdpipe", "pod", *args], env=env, capture_output=True, text=True, check=True
+    )
 
 
 @pytest.mark.parametrize("visible, expected", [("0,1,2", 3), ("", 0), ("-1", 0), ("GPU-aa,GPU-bb", 2)])
@@ -70,8 +78,10 @@ def test_prepare_seeds_the_project_and_writes_settings_on_the_volume(tmp_path):
     settings = yaml.safe_load(Path(plan["accelerate_config"]).read_text())
     assert Path(plan["accelerate_config"]) == ws / ".cache" / "huggingface" / "accelerate" / "default_config.yaml"
     assert (settings["distributed_type"], settings["num_processes"], settings["use_cpu"]) == ("MULTI_GPU", 4, False)
-    assert plan["commands"] == [["snakemake", "--profile", "runpod", "--unlock"],
-                                ["snakemake", "--profile", "runpod", "--resources", "gpu=4", "--keep-going", "report"]]
+    assert plan["commands"] == [
+        ["snakemake", "--profile", "runpod", "--unlock"],
+        ["snakemake", "--profile", "runpod", "--resources", "gpu=4", "--keep-going", "report"],
+    ]
     # A restarted pod keeps the user's project as it is.
     (project / "config" / "config.yaml").write_text("seed: 7\n")
     pod(env, "--prepare-only")
@@ -90,7 +100,10 @@ def test_start_runs_snakemake_in_the_project_with_caches_on_the_volume(tmp_path)
     pod(env)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     project, hf_home = tmp_path / "workspace" / "project", tmp_path / "workspace" / ".cache" / "huggingface"
-    assert [c[0] for c in calls] == [["--profile", "runpod", "--unlock"], ["--profile", "runpod", "--resources", "gpu=4"]]
+    assert [c[0] for c in calls] == [
+        ["--profile", "runpod", "--unlock"],
+        ["--profile", "runpod", "--resources", "gpu=4"],
+    ]
     assert all(Path(c[1]) == project and Path(c[2]) == hf_home for c in calls)
 
 
@@ -106,7 +119,11 @@ def test_dockerfile_copies_what_the_repository_has():
 def test_constraints_pin_versions_an_index_serves():
     """A direct reference (`name @ file:///...`) from `pip freeze` names a file on one machine: a fresh clone's
     `make setup` (CI, the Docker image) cannot install it."""
-    pins = [line for line in (REPO / "requirements/constraints.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
-    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+!\-]+", p) for p in pins), \
-        [p for p in pins if "==" not in p or "@" in p]
+    pins = [
+        line
+        for line in (REPO / "requirements/constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+!\-]+", p) for p in pins), [
+        p for p in pins if "==" not in p or "@" in p
+    ]

@@ -23,11 +23,26 @@ from sdpipe.errors import UserError
 from sdpipe.stages import prepare, prepare_decode
 
 REPO = Path(__file__).resolve().parent.parent
-ROW_KEYS = {"id", "path", "width", "height", "format", "mode", "bucket", "split", "repeats", "folder", "sidecar",
-            "sidecar_path", "file", "role"}
+ROW_KEYS = {
+    "id",
+    "path",
+    "width",
+    "height",
+    "format",
+    "mode",
+    "bucket",
+    "split",
+    "repeats",
+    "folder",
+    "sidecar",
+    "sidecar_path",
+    "file",
+    "role",
+}
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
+
 
 def encode(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
     buf = bytes_io.BytesIO()
@@ -67,20 +82,27 @@ def run_prepare(raw: Path, out: Path, **prepare_overrides) -> tuple[list[dict], 
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in root.rglob("*") if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in root.rglob("*")
+        if p.is_file()
+    }
 
 
 def png_claiming(width: int, height: int) -> bytes:
     """A valid-looking PNG header for a huge image, with almost no data behind it."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 # --- buckets -----------------------------------------------------------------------------------------------------
+
 
 def test_buckets_small():
     assert make_buckets(32, 8, 2.0) == [(24, 40), (32, 32), (40, 24)]
@@ -123,6 +145,7 @@ def test_assign_bucket():
 
 # --- the happy path ----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def happy(tmp_path):
     raw = tmp_path / "raw"
@@ -146,8 +169,14 @@ def happy(tmp_path):
 def test_happy_path(happy, tmp_path):
     rows, rejected, summary = run_prepare(happy, tmp_path / "out")
     by_path = {r["path"]: r for r in rows}
-    assert [r["path"] for r in rows] == ["10_sks dog/d.png", "a.png", "sub/b.jpg", "sub/deeper/c.png", "sub/e.png",
-                                         "sub/f.png"]
+    assert [r["path"] for r in rows] == [
+        "10_sks dog/d.png",
+        "a.png",
+        "sub/b.jpg",
+        "sub/deeper/c.png",
+        "sub/e.png",
+        "sub/f.png",
+    ]
     assert all(set(r) == ROW_KEYS for r in rows)
     assert rejected == []
     a = by_path["a.png"]
@@ -219,6 +248,7 @@ def test_process_pool_matches_plain_loop(tmp_path):
 
 # --- bad inputs --------------------------------------------------------------------------------------------------
 
+
 def build_zoo(raw: Path) -> None:
     put(raw, "good.png", noise())
     put(raw, "good_copy.png", noise())
@@ -260,37 +290,48 @@ def zoo(tmp_path_factory):
     build_zoo(raw)
     before = tree_hashes(raw)
     rows, rejected, summary = run_prepare(raw, root / "out")
-    return {"raw": raw, "before": before, "rows": {r["path"]: r for r in rows},
-            "rejected": {r["path"]: r["reason"] for r in rejected}, "summary": summary}
+    return {
+        "raw": raw,
+        "before": before,
+        "rows": {r["path"]: r for r in rows},
+        "rejected": {r["path"]: r["reason"] for r in rejected},
+        "summary": summary,
+    }
 
 
-@pytest.mark.parametrize("path,words", [
-    ("corrupt.png", "cannot decode"),
-    ("truncated.png", "truncated"),
-    ("truncated.jpg", "truncated"),
-    ("empty.png", "empty file"),
-    ("empty2.jpg", "empty file"),
-    ("notes.md", "not a recognised image format"),
-    ("random.bin", "not a recognised image format"),
-    ("bomb.png", "decompression bomb"),
-    ("huge_header.png", "decompression bomb"),
-    ("tiny.png", "too small"),
-    ("latin1.txt", "not valid UTF-8 (byte 0xe9 at offset 3)"),
-])
+@pytest.mark.parametrize(
+    "path,words",
+    [
+        ("corrupt.png", "cannot decode"),
+        ("truncated.png", "truncated"),
+        ("truncated.jpg", "truncated"),
+        ("empty.png", "empty file"),
+        ("empty2.jpg", "empty file"),
+        ("notes.md", "not a recognised image format"),
+        ("random.bin", "not a recognised image format"),
+        ("bomb.png", "decompression bomb"),
+        ("huge_header.png", "decompression bomb"),
+        ("tiny.png", "too small"),
+        ("latin1.txt", "not valid UTF-8 (byte 0xe9 at offset 3)"),
+    ],
+)
 def test_rejected_with_reason(zoo, path, words):
     assert path not in zoo["rows"]
     assert words in zoo["rejected"][path]
     assert "\n" not in zoo["rejected"][path]
 
 
-@pytest.mark.parametrize("path,fmt,mode,size", [
-    ("grey16.png", "PNG", "I;16", (48, 48)),
-    ("cmyk.jpg", "JPEG", "CMYK", (48, 48)),
-    ("palette.png", "PNG", "P", (48, 48)),
-    ("la.png", "PNG", "LA", (48, 48)),
-    ("rotated.jpg", "JPEG", "RGB", (64, 40)),  # stored 40x64; EXIF orientation 6 turns it on its side
-    ("wrong_ext.jpg", "PNG", "RGB", (48, 48)),
-])
+@pytest.mark.parametrize(
+    "path,fmt,mode,size",
+    [
+        ("grey16.png", "PNG", "I;16", (48, 48)),
+        ("cmyk.jpg", "JPEG", "CMYK", (48, 48)),
+        ("palette.png", "PNG", "P", (48, 48)),
+        ("la.png", "PNG", "LA", (48, 48)),
+        ("rotated.jpg", "JPEG", "RGB", (64, 40)),  # stored 40x64; EXIF orientation 6 turns it on its side
+        ("wrong_ext.jpg", "PNG", "RGB", (48, 48)),
+    ],
+)
 def test_odd_images_accepted(zoo, path, fmt, mode, size):
     row = zoo["rows"][path]
     assert (row["format"], row["mode"], (row["width"], row["height"])) == (fmt, mode, size)
@@ -318,8 +359,10 @@ def test_orphan_sidecars_warned(zoo):
 
 
 def test_duplicates(zoo):
-    assert zoo["summary"]["duplicates"] == [{"path": "good_copy.png", "duplicate_of": "good.png"},
-                                            {"path": "sub/good_again.png", "duplicate_of": "good.png"}]
+    assert zoo["summary"]["duplicates"] == [
+        {"path": "good_copy.png", "duplicate_of": "good.png"},
+        {"path": "sub/good_again.png", "duplicate_of": "good.png"},
+    ]
     assert "good.png" in zoo["rows"] and "good_copy.png" not in zoo["rows"]
 
 
@@ -335,6 +378,7 @@ def test_raw_files_untouched(zoo):
 
 
 # --- eval split --------------------------------------------------------------------------------------------------
+
 
 def test_eval_split_is_stable(tmp_path):
     raw = tmp_path / "raw"
@@ -366,6 +410,7 @@ def test_no_train_image_is_an_error(tmp_path):
 
 # --- user errors -------------------------------------------------------------------------------------------------
 
+
 def test_missing_raw_dir(tmp_path):
     with pytest.raises(UserError, match="does not exist; put images there or run `sdpipe demo"):
         run_prepare(tmp_path / "nothing", tmp_path / "out")
@@ -396,9 +441,26 @@ def test_cli_missing_raw_dir_is_one_line(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"data:\n  raw_dir: {tmp_path / 'missing'}\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "prepare", "--config", str(cfg),
-                           "--manifest", str(out / "m.jsonl"), "--rejected", str(out / "r.jsonl"),
-                           "--summary", str(out / "s.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "prepare",
+            "--config",
+            str(cfg),
+            "--manifest",
+            str(out / "m.jsonl"),
+            "--rejected",
+            str(out / "r.jsonl"),
+            "--summary",
+            str(out / "s.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not exist" in lines[0]

@@ -23,8 +23,8 @@ REPO_ID = "me/my-finetune"
 
 def _export(tmp: Path) -> Path:
     """A small export folder shaped like results/export (a card with YAML metadata, configs, weights)."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     out = tmp / "export"
     (out / "diffusers" / "unet").mkdir(parents=True)
@@ -36,8 +36,13 @@ def _export(tmp: Path) -> Path:
 
 
 def _cfg(tmp: Path, **hub):
-    return config.from_dict({"cache_dir": str(tmp / "cache"), "data": {"raw_dir": str(tmp / "raw")},
-                             "export": {"hub": {"repo_id": REPO_ID, **hub}}})
+    return config.from_dict(
+        {
+            "cache_dir": str(tmp / "cache"),
+            "data": {"raw_dir": str(tmp / "raw")},
+            "export": {"hub": {"repo_id": REPO_ID, **hub}},
+        }
+    )
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -86,11 +91,20 @@ def test_token_and_settings_mistakes_are_one_line(hub, tmp_path, monkeypatch) ->
 def test_the_command_publishes_a_folder(hub, tmp_path) -> None:
     folder = _export(tmp_path)
     cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(yaml.safe_dump({"cache_dir": str(tmp_path / "cache"), "data": {"raw_dir": "raw"},
-                                        "export": {"hub": {"repo_id": REPO_ID}}}))
+    cfg_file.write_text(
+        yaml.safe_dump(
+            {"cache_dir": str(tmp_path / "cache"), "data": {"raw_dir": "raw"}, "export": {"hub": {"repo_id": REPO_ID}}}
+        )
+    )
     env = {**os.environ, **hub.env, "HF_TOKEN": hub.token}
-    done = subprocess.run([sys.executable, "-m", "sdpipe", "publish", "--config", str(cfg_file), "--folder",
-                           str(folder)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "sdpipe", "publish", "--config", str(cfg_file), "--folder", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{hub.url}/{REPO_ID}/commit/{hub.repos[REPO_ID].sha}"
     assert hub.repos[REPO_ID].files["model.safetensors"] == (folder / "model.safetensors").read_bytes()

@@ -28,8 +28,11 @@ def _distinct_shapes(unet, args, kwargs) -> int:
     seen, hooks = set(), []
     for m in unet.modules():
         if type(m).__name__ in ("Transformer2DModel", "ResnetBlock2D"):
-            hooks.append(m.register_forward_hook(lambda mod, inp, out: seen.add(
-                (type(mod).__name__, tuple(inp[0].shape), tuple(_first(out).shape)))))
+            hooks.append(
+                m.register_forward_hook(
+                    lambda mod, inp, out: seen.add((type(mod).__name__, tuple(inp[0].shape), tuple(_first(out).shape)))
+                )
+            )
     unet(*args, **kwargs)
     for h in hooks:
         h.remove()

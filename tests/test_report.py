@@ -29,6 +29,7 @@ MD_IMAGE = re.compile(r"!\[(?:\\.|[^\]\\])*\]\(([^)]+)\)")
 
 # --- fake but realistic inputs, laid out as the workflow writes them ----------------------------------------------
 
+
 def _grid(path: Path, rows: int, cols: int, shade: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (cols * CELL, rows * CELL), (shade, 40, 200 - shade)).save(path)
@@ -39,23 +40,40 @@ def _metrics_csv(path: Path, speed: float) -> None:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         for i, step in enumerate((10, 20, 30, 40)):
-            writer.writerow({"step": step, "epoch": i // 2, "loss": 0.9 / (i + 1), "lr": 1e-4 * (4 - i) / 4,
-                             "samples_per_s": speed + i, "samples_per_s_per_gpu": (speed + i) / 2,
-                             "data_wait": 0.01 * i, "peak_memory_mb": "", "samples_seen": 16 * step})
+            writer.writerow(
+                {
+                    "step": step,
+                    "epoch": i // 2,
+                    "loss": 0.9 / (i + 1),
+                    "lr": 1e-4 * (4 - i) / 4,
+                    "samples_per_s": speed + i,
+                    "samples_per_s_per_gpu": (speed + i) / 2,
+                    "data_wait": 0.01 * i,
+                    "peak_memory_mb": "",
+                    "samples_seen": 16 * step,
+                }
+            )
 
 
 def _metrics(speed: float) -> dict:
-    return {"fid": {"value": None, "reason": FID_REASON, "n_fake": 8},
-            "clip_score": {"value": 0.2468, "reason": None, "n": 8},
-            "colour_accuracy": {"value": 0.75, "reason": None, "n": 8},
-            "train_samples_per_s": speed, "inference_samples_per_s": speed / 7,
-            "scaling": [{"gpus": 1, "samples_per_s": speed, "per_gpu_samples_per_s": speed, "efficiency": 1.0},
-                        {"gpus": 2, "samples_per_s": 1.8 * speed, "per_gpu_samples_per_s": 0.9 * speed,
-                         "efficiency": 0.9}],
-            "timings": ["train_samples_per_s", "inference_samples_per_s", "scaling"],
-            "provenance": {"git_commit": COMMIT, "packages": {"torch": "2.4.1", "diffusers": "0.30.0"},
-                           "gpu": {"name": "NVIDIA H200", "count": 2, "driver": "550.54"},
-                           "seeds": {"seed": 7, "validation": SEEDS}}}
+    return {
+        "fid": {"value": None, "reason": FID_REASON, "n_fake": 8},
+        "clip_score": {"value": 0.2468, "reason": None, "n": 8},
+        "colour_accuracy": {"value": 0.75, "reason": None, "n": 8},
+        "train_samples_per_s": speed,
+        "inference_samples_per_s": speed / 7,
+        "scaling": [
+            {"gpus": 1, "samples_per_s": speed, "per_gpu_samples_per_s": speed, "efficiency": 1.0},
+            {"gpus": 2, "samples_per_s": 1.8 * speed, "per_gpu_samples_per_s": 0.9 * speed, "efficiency": 0.9},
+        ],
+        "timings": ["train_samples_per_s", "inference_samples_per_s", "scaling"],
+        "provenance": {
+            "git_commit": COMMIT,
+            "packages": {"torch": "2.4.1", "diffusers": "0.30.0"},
+            "gpu": {"name": "NVIDIA H200", "count": 2, "driver": "550.54"},
+            "seeds": {"seed": 7, "validation": SEEDS},
+        },
+    }
 
 
 def write_inputs(root: Path, speed: float = 123.4) -> dict[str, Path]:
@@ -65,38 +83,102 @@ def write_inputs(root: Path, speed: float = 123.4) -> dict[str, Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
     io.write_yaml(p["resolved_config"], {"seed": 7, "data": {"raw_dir": str(root / "data" / "raw")}})
     io.write_yaml(root / "data" / "raw.dvc", {"outs": [{"md5": "f00dfeed.dir", "path": "raw"}]})
-    io.write_json(p["prepare"], {"scanned": 9, "accepted": 6, "rejected": 1, "train": 5, "eval": 1,
-                                 "duplicates": [{"path": "b.png", "duplicate_of": "a.png"}], "warnings": [],
-                                 "buckets": {"32x32": 4, "24x40": 2}})
-    io.write_json(p["captions"], {"total": 6, "captioned": 6, "reused": 2, "failed": 0,
-                                  "by_source": {"sidecar": 4, "template": 2}, "chain": ["sidecar", "template"],
-                                  "seconds": speed / 100})
-    io.write_json(p["latents"], {"items": 5, "encoded": 3, "reused": 2, "failed": 0, "devices": ["cpu"],
-                                 "seconds": speed / 50, "images_per_s": speed * 2, "dtype": "fp32", "flip": False})
+    io.write_json(
+        p["prepare"],
+        {
+            "scanned": 9,
+            "accepted": 6,
+            "rejected": 1,
+            "train": 5,
+            "eval": 1,
+            "duplicates": [{"path": "b.png", "duplicate_of": "a.png"}],
+            "warnings": [],
+            "buckets": {"32x32": 4, "24x40": 2},
+        },
+    )
+    io.write_json(
+        p["captions"],
+        {
+            "total": 6,
+            "captioned": 6,
+            "reused": 2,
+            "failed": 0,
+            "by_source": {"sidecar": 4, "template": 2},
+            "chain": ["sidecar", "template"],
+            "seconds": speed / 100,
+        },
+    )
+    io.write_json(
+        p["latents"],
+        {
+            "items": 5,
+            "encoded": 3,
+            "reused": 2,
+            "failed": 0,
+            "devices": ["cpu"],
+            "seconds": speed / 50,
+            "images_per_s": speed * 2,
+            "dtype": "fp32",
+            "flip": False,
+        },
+    )
     io.write_jsonl(p["manifest"], [{"id": i, "split": "eval" if n == 0 else "train"} for n, i in enumerate(IDS)])
-    io.write_json(p["train_summary"], {"world_size": 2, "per_device_batch_size": 4, "grad_accum_steps": 2,
-                                       "global_batch_size": 16, "optimizer_steps": 40, "epochs": 2,
-                                       "samples_seen": 640, "samples_per_s": speed, "seconds": 640 / speed,
-                                       "mode": "lora", "mixed_precision": "bf16", "device": "cuda",
-                                       "peak_memory_mb": 2048.5})
+    io.write_json(
+        p["train_summary"],
+        {
+            "world_size": 2,
+            "per_device_batch_size": 4,
+            "grad_accum_steps": 2,
+            "global_batch_size": 16,
+            "optimizer_steps": 40,
+            "epochs": 2,
+            "samples_seen": 640,
+            "samples_per_s": speed,
+            "seconds": 640 / speed,
+            "mode": "lora",
+            "mixed_precision": "bf16",
+            "device": "cuda",
+            "peak_memory_mb": 2048.5,
+        },
+    )
     _metrics_csv(p["train_metrics"], speed)
     for step, shade in ((10, 30), (20, 160)):
         _grid(p["samples_dir"] / f"step-{step:08d}.png", len(PROMPTS), len(SEEDS), shade)
-    io.write_json(p["export"], {"dtype": "fp16", "components": {"unet": "lora"}, "formats": {
-        "single_file": {"path": "results/export/model.safetensors", "verified": True, "max_abs_diff": 3,
-                        "mean_abs_diff": 0.25, "seconds": speed / 30},
-        "lora": {"path": "results/export/lora", "verified": False, "max_abs_diff": 9, "mean_abs_diff": 1.5}}})
+    io.write_json(
+        p["export"],
+        {
+            "dtype": "fp16",
+            "components": {"unet": "lora"},
+            "formats": {
+                "single_file": {
+                    "path": "results/export/model.safetensors",
+                    "verified": True,
+                    "max_abs_diff": 3,
+                    "mean_abs_diff": 0.25,
+                    "seconds": speed / 30,
+                },
+                "lora": {"path": "results/export/lora", "verified": False, "max_abs_diff": 9, "mean_abs_diff": 1.5},
+            },
+        },
+    )
     io.write_json(p["metrics"], _metrics(speed))
     _grid(p["eval_grid"], 2, 2, 90)
-    io.write_json(p["eval_prompts"], [{"prompt": prompt, "seed": seed} for prompt in (PROMPTS[0], "a green triangle")
-                                      for seed in (3, 4)])
+    io.write_json(
+        p["eval_prompts"],
+        [{"prompt": prompt, "seed": seed} for prompt in (PROMPTS[0], "a green triangle") for seed in (3, 4)],
+    )
     return p
 
 
 def make_cfg(root: Path):
-    return config.from_dict({"seed": 7, "data": {"raw_dir": str(root / "data" / "raw")},
-                             "model": {"pretrained": "models/tiny"},
-                             "train": {"validation": {"every": 10, "prompts": PROMPTS, "seeds": SEEDS}}})
+    return config.from_dict(
+        {
+            "seed": 7,
+            "data": {"raw_dir": str(root / "data" / "raw")},
+            "model": {"pretrained": "models/tiny"},
+            "train": {"validation": {"every": 10, "prompts": PROMPTS, "seeds": SEEDS}},
+        }
+    )
 
 
 def run_report(root: Path, inputs: dict[str, Path]) -> tuple[str, str, Path]:
@@ -110,6 +192,7 @@ def referenced(html: str, markdown: str) -> set[str]:
 
 
 # --- tests ----------------------------------------------------------------------------------------------------------
+
 
 def test_report_states_every_part(tmp_path):
     inputs = write_inputs(tmp_path)
@@ -125,8 +208,14 @@ def test_report_states_every_part(tmp_path):
     assert "null — Inception weights not found in &lt;cache&gt;" in markdown
 
     links = referenced(html, markdown)
-    assert {Path(link).name for link in links} == {"loss_lr.png", "throughput.png", "scaling.png",
-                                                   "step-00000010.png", "step-00000020.png", "eval_grid.png"}
+    assert {Path(link).name for link in links} == {
+        "loss_lr.png",
+        "throughput.png",
+        "scaling.png",
+        "step-00000010.png",
+        "step-00000020.png",
+        "eval_grid.png",
+    }
     for link in links:
         assert not Path(link).is_absolute() and (tmp_path / "results" / "report" / link).is_file(), link
     with Image.open(assets / "samples" / "step-00000010.png") as im:  # enlarged, with a label column and headings
@@ -195,8 +284,11 @@ def test_missing_optional_inputs_are_noted(tmp_path):
     assert markdown.count("not available") >= len(optional) + 2
     links = referenced(html, markdown)
     assert {Path(link).name for link in links} == {"loss_lr.png", "throughput.png", "eval_grid.png"}
-    assert sorted(p.name for p in assets.rglob("*") if p.is_file()) == ["eval_grid.png", "loss_lr.png",
-                                                                        "throughput.png"]
+    assert sorted(p.name for p in assets.rglob("*") if p.is_file()) == [
+        "eval_grid.png",
+        "loss_lr.png",
+        "throughput.png",
+    ]
 
 
 def test_missing_eval_grid_is_noted(tmp_path):
@@ -207,8 +299,10 @@ def test_missing_eval_grid_is_noted(tmp_path):
     assert "eval_grid.png" not in html + markdown and not (assets / "eval_grid.png").exists()
 
 
-@pytest.mark.parametrize("name,target", [("resolved_config", "report"), ("train_summary", "train"),
-                                         ("train_metrics", "train"), ("metrics", "evaluate")])
+@pytest.mark.parametrize(
+    "name,target",
+    [("resolved_config", "report"), ("train_summary", "train"), ("train_metrics", "train"), ("metrics", "evaluate")],
+)
 def test_missing_required_input_is_one_line(tmp_path, name, target):
     inputs = write_inputs(tmp_path)
     inputs[name].unlink()

@@ -15,12 +15,27 @@ import pytest
 
 pytest.importorskip("runpod")
 KEY = "rpa_TESTKEY_0123456789abcdef"
-GPU = {"id": "NVIDIA H100 80GB HBM3", "displayName": "H100 SXM", "maxGpuCount": 8, "securePrice": 2.99,
-       "communityPrice": 2.69, "memoryInGb": 80, "lowestPrice": {"minimumBidPrice": 1.5, "uninterruptablePrice": 2.69}}
-POD = {"id": "pod-abc123", "name": "sdpipe", "desiredStatus": "RUNNING", "gpuCount": 2, "costPerHr": 5.98,
-       "uptimeSeconds": 42, "machine": {"gpuDisplayName": "H100 SXM"},
-       "runtime": {"ports": [{"ip": "203.0.113.7", "isIpPublic": True, "privatePort": 22, "publicPort": 22017,
-                              "type": "tcp"}]}}
+GPU = {
+    "id": "NVIDIA H100 80GB HBM3",
+    "displayName": "H100 SXM",
+    "maxGpuCount": 8,
+    "securePrice": 2.99,
+    "communityPrice": 2.69,
+    "memoryInGb": 80,
+    "lowestPrice": {"minimumBidPrice": 1.5, "uninterruptablePrice": 2.69},
+}
+POD = {
+    "id": "pod-abc123",
+    "name": "sdpipe",
+    "desiredStatus": "RUNNING",
+    "gpuCount": 2,
+    "costPerHr": 5.98,
+    "uptimeSeconds": 42,
+    "machine": {"gpuDisplayName": "H100 SXM"},
+    "runtime": {
+        "ports": [{"ip": "203.0.113.7", "isIpPublic": True, "privatePort": 22, "publicPort": 22017, "type": "tcp"}]
+    },
+}
 
 
 class FakeRunpod(BaseHTTPRequestHandler):
@@ -38,8 +53,17 @@ class FakeRunpod(BaseHTTPRequestHandler):
             return self._send(200, {"errors": [{"message": f"bad request; headers {dict(self.headers)}"}]})
         if "podFindAndDeployOnDemand" in query:
             if not self.capacity:
-                return self._send(200, {"errors": [{"message": "There are no longer any instances available with "
-                                                               "the requested specifications. Please refresh and try again."}]})
+                return self._send(
+                    200,
+                    {
+                        "errors": [
+                            {
+                                "message": "There are no longer any instances available with "
+                                "the requested specifications. Please refresh and try again."
+                            }
+                        ]
+                    },
+                )
             return self._send(200, {"data": {"podFindAndDeployOnDemand": {"id": POD["id"], "imageName": "img"}}})
         if "gpuTypes" in query:
             return self._send(200, {"data": {"gpuTypes": [GPU]}})
@@ -79,8 +103,14 @@ def sdpipe_runpod(tmp_path, api, *args, key=KEY, stdin="", extra_path=None):
         env["RUNPOD_API_KEY"] = key
     if extra_path:
         env["PATH"] = f"{extra_path}:{env['PATH']}"
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "runpod", *args], cwd=tmp_path, env=env, input=stdin,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdpipe", "runpod", *args],
+        cwd=tmp_path,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+    )
     leaked = [name for name, text in (("stdout", proc.stdout), ("stderr", proc.stderr)) if KEY in text]
     assert not leaked, f"the API key appeared in {leaked}"
     return proc
@@ -93,8 +123,15 @@ def test_up_prints_the_price_then_creates_the_pod(tmp_path, api):
     assert "created pod pod-abc123" in proc.stdout
     deploy = [r["query"] for r in FakeRunpod.requests if "podFindAndDeployOnDemand" in r["query"]]
     assert len(deploy) == 1
-    for field in ('gpuTypeId: "NVIDIA H100 80GB HBM3"', "gpuCount: 2", 'volumeMountPath: "/workspace"',
-                  'imageName: "me/sdpipe:1"', 'cloudType: SECURE', '"SDPIPE_TARGET"', '"train"'):
+    for field in (
+        'gpuTypeId: "NVIDIA H100 80GB HBM3"',
+        "gpuCount: 2",
+        'volumeMountPath: "/workspace"',
+        'imageName: "me/sdpipe:1"',
+        "cloudType: SECURE",
+        '"SDPIPE_TARGET"',
+        '"train"',
+    ):
         assert field in deploy[0], field
     assert all(r["path"] == "/graphql" for r in FakeRunpod.requests)
     state = (tmp_path / ".sdpipe" / "runpod.json").read_text()
@@ -107,12 +144,15 @@ def test_up_asks_first_and_creates_nothing_on_no(tmp_path, api):
     assert not any("podFindAndDeployOnDemand" in r["query"] for r in FakeRunpod.requests)
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("no_capacity", "Runpod has no capacity for this request"),
-    ("bad_key", "Runpod refused the API key"),
-    ("no_key", "no Runpod API key: set RUNPOD_API_KEY or run `runpod config`"),
-    ("too_many", "--gpus 9: a H100 SXM pod has at most 8"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("no_capacity", "Runpod has no capacity for this request"),
+        ("bad_key", "Runpod refused the API key"),
+        ("no_key", "no Runpod API key: set RUNPOD_API_KEY or run `runpod config`"),
+        ("too_many", "--gpus 9: a H100 SXM pod has at most 8"),
+    ],
+)
 def test_errors_are_one_line(tmp_path, api, setup, message):
     FakeRunpod.capacity = setup != "no_capacity"
     key = {"bad_key": "rpa_WRONG", "no_key": None}.get(setup, KEY)
@@ -128,7 +168,7 @@ def test_status_sync_and_down_use_the_remembered_pod(tmp_path, api):
     assert "ssh -p 22017 root@203.0.113.7" in status.stdout
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "rsync").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'rsync.args'}\n")
+    (fake / "rsync").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "rsync.args"}\n')
     (fake / "rsync").chmod(0o755)
     sync = sdpipe_runpod(tmp_path, api, "sync", extra_path=fake)
     assert sync.returncode == 0, sync.stderr

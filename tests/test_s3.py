@@ -21,30 +21,52 @@ DVC = str(Path(sys.executable).parent / "dvc")
 
 def _keys(client, prefix: str) -> set[str]:
     pages = client.get_paginator("list_objects_v2").paginate(Bucket="sdpipe", Prefix=prefix)
-    return {obj["Key"][len(prefix):] for page in pages for obj in page.get("Contents", [])}
+    return {obj["Key"][len(prefix) :] for page in pages for obj in page.get("Contents", [])}
 
 
-def test_snakemake_moves_the_demo_through_s3_default_storage(tmp_path, demo_source, s3):
+def test_snakemake_moves_the_demo_through_s3_default_storage(tmp_path, demo_source, s3):  # noqa: F811
     """Every rule's inputs come from the bucket and its outputs go there: a second machine with an empty project
     folder finds the pipeline done."""
     endpoint, client = s3
-    proj = make_project(tmp_path / "proj", demo_source, prepare={"eval_fraction": 0.0, "workers": 1},
-                        model={"train_vae": {"enabled": False}})
+    proj = make_project(
+        tmp_path / "proj",
+        demo_source,
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        model={"train_vae": {"enabled": False}},
+    )
     for path in sorted((proj / "data" / "raw").rglob("*")):  # the data lives in the bucket, as on a cluster
         if path.is_file():
             client.upload_file(str(path), "sdpipe", f"proj/{path.relative_to(proj).as_posix()}")
-    storage = ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://sdpipe/proj",
-               "--storage-s3-endpoint-url", endpoint, "--storage-s3-access-key", KEYS["AWS_ACCESS_KEY_ID"],
-               "--storage-s3-secret-key", KEYS["AWS_SECRET_ACCESS_KEY"]]
+    storage = [
+        "--default-storage-provider",
+        "s3",
+        "--default-storage-prefix",
+        "s3://sdpipe/proj",
+        "--storage-s3-endpoint-url",
+        endpoint,
+        "--storage-s3-access-key",
+        KEYS["AWS_ACCESS_KEY_ID"],
+        "--storage-s3-secret-key",
+        KEYS["AWS_SECRET_ACCESS_KEY"],
+    ]
     run(["snakemake", "--cores", "2", *storage, "--", "latents"], proj)
     stored = _keys(client, "proj/")
-    assert {"results/prepare/manifest.jsonl", "results/captions/captions.jsonl", "results/latents/index.json",
-            "models/tiny/model_index.json", "logs/latents.log"} <= stored
+    assert {
+        "results/prepare/manifest.jsonl",
+        "results/captions/captions.jsonl",
+        "results/latents/index.json",
+        "models/tiny/model_index.json",
+        "logs/latents.log",
+    } <= stored
     latents = json.loads(client.get_object(Bucket="sdpipe", Key="proj/results/latents/summary.json")["Body"].read())
     assert latents["encoded"] == 40  # prepare read the 40 images from the bucket's copy of data/raw
 
-    elsewhere = make_project(tmp_path / "elsewhere", None, model={"train_vae": {"enabled": False}},
-                             prepare={"eval_fraction": 0.0, "workers": 1})
+    elsewhere = make_project(
+        tmp_path / "elsewhere",
+        None,
+        model={"train_vae": {"enabled": False}},
+        prepare={"eval_fraction": 0.0, "workers": 1},
+    )
     shutil.copytree(proj / "data" / "raw", elsewhere / "data" / "raw")  # the listing Snakemake globs
     again = run(["snakemake", "-n", "--cores", "1", *storage, "--", "latents"], elsewhere)
     assert "Nothing to be done" in again.stdout + again.stderr

@@ -9,19 +9,25 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sdpipe"
 
 
 def test_every_cfg_parameter_says_its_type():
-    missing = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
-               for path in sorted(PACKAGE.rglob("*.py"))
-               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-               if isinstance(node, ast.FunctionDef)
-               for arg in node.args.args if arg.arg == "cfg" and arg.annotation is None]
+    missing = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef)
+        for arg in node.args.args
+        if arg.arg == "cfg" and arg.annotation is None
+    ]
     assert not missing, missing
 
 
 def test_training_imports_no_stage():
     """The training package reads what stages write (files, versions), not the stages' code."""
-    leaks = [f"{path.name}: {node.module}" for path in sorted((PACKAGE / "train").glob("*.py"))
-             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdpipe.stages")]
+    leaks = [
+        f"{path.name}: {node.module}"
+        for path in sorted((PACKAGE / "train").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdpipe.stages")
+    ]
     assert not leaks, leaks
 
 
@@ -32,9 +38,12 @@ def test_the_workflow_reads_a_config_without_torch(tmp_path):
     import sys
 
     (tmp_path / "c.yaml").write_text("model: {pretrained: models/tiny, build_preset: tiny}\ndata: {raw_dir: d}\n")
-    code = ("import sys; from sdpipe.config import check_user_config, effective; import sdpipe.export.names, "
-            "sdpipe.parallel; check_user_config(effective([sys.argv[1]], {})); "
-            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                         cwd=tmp_path, check=True).stdout
+    code = (
+        "import sys; from sdpipe.config import check_user_config, effective; import sdpipe.export.names, "
+        "sdpipe.parallel; check_user_config(effective([sys.argv[1]], {})); "
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c.yaml")], capture_output=True, text=True, cwd=tmp_path, check=True
+    ).stdout
     assert out.strip() == "[]"

@@ -5,7 +5,6 @@ with Snakemake's `:q`, and a model path made to look like a command builds a mod
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tests.workflow_helpers import REPO, make_project, run
 

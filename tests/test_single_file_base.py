@@ -158,8 +158,13 @@ def test_files_that_are_not_base_models_are_named(tmp_path) -> None:
     with pytest.raises(UserError, match="is a LoRA file, not a base model"):
         weights.resolve(str(lora))
     inpaint = tmp_path / "inpaint.safetensors"
-    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(32, 9, 3, 3),
-               "cond_stage_model.transformer.x": torch.zeros(1)}, str(inpaint))
+    save_file(
+        {
+            "model.diffusion_model.input_blocks.0.0.weight": torch.zeros(32, 9, 3, 3),
+            "cond_stage_model.transformer.x": torch.zeros(1),
+        },
+        str(inpaint),
+    )
     with pytest.raises(UserError, match="inpainting or other 9-channel checkpoint"):
         weights.resolve(str(inpaint))
     junk = tmp_path / "junk.safetensors"

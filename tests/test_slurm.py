@@ -16,16 +16,30 @@ pytestmark = pytest.mark.slow
 # The shipped profile, with what a one-node CPU cluster cannot give: 2 tasks on 1 node instead of 2 nodes x 8 GPUs.
 # A --set-resources on the command line replaces the profile's whole list, so the train entries are repeated.
 # No sacct without a Slurm database, so job states come from squeue (the cluster keeps finished jobs 10 minutes).
-OVERRIDES = ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
-             "--set-resources", "train:nodes=1", "train:tasks=2", "train:tasks_per_gpu=0", "train:gpu=0",
-             'train:gres=""', 'train:mpi="srun --ntasks=2 --kill-on-bad-exit=1"', "--slurm-keep-successful-logs"]
+OVERRIDES = [
+    "--slurm-status-command",
+    "squeue",
+    "--slurm-init-seconds-before-status-checks",
+    "1",
+    "--set-resources",
+    "train:nodes=1",
+    "train:tasks=2",
+    "train:tasks_per_gpu=0",
+    "train:gpu=0",
+    'train:gres=""',
+    'train:mpi="srun --ntasks=2 --kill-on-bad-exit=1"',
+    "--slurm-keep-successful-logs",
+]
 
 
 def test_the_demo_trains_as_one_slurm_job_of_two_tasks(tmp_path, demo_source):
-    proj = make_project(tmp_path / "proj", demo_source, prepare={"eval_fraction": 0.0, "workers": 1},
-                        model={"train_vae": {"enabled": False}},
-                        train={**FAST["train"], "num_processes": "auto",
-                               "multi_node": {"main_process_port": free_port()}})
+    proj = make_project(
+        tmp_path / "proj",
+        demo_source,
+        prepare={"eval_fraction": 0.0, "workers": 1},
+        model={"train_vae": {"enabled": False}},
+        train={**FAST["train"], "num_processes": "auto", "multi_node": {"main_process_port": free_port()}},
+    )
     with slurm_cluster(tmp_path / "slurm"):
         run(["snakemake", "--profile", "profiles/slurm", *OVERRIDES, "--", "train"], proj)
     jobs = sorted(p.parent.name for p in (proj / ".snakemake" / "slurm_logs").glob("rule_*/*.log"))

@@ -12,12 +12,21 @@ from sdpipe.train.telemetry import Telemetry
 
 
 def fake_run(device: str, log_every: int = 1, total: int = 1) -> SimpleNamespace:
-    accelerator = SimpleNamespace(is_main_process=False, num_processes=1, device=torch.device(device),
-                                  reduce=lambda t, op: t, log=lambda row, step: None)
-    return SimpleNamespace(accelerator=accelerator, cfg=SimpleNamespace(train=SimpleNamespace(log_every=log_every)),
-                           plan=SimpleNamespace(total_optimizer_steps=total), step=0,
-                           state=SimpleNamespace(epoch=0, samples_seen_total=0),
-                           lr_scheduler=SimpleNamespace(get_last_lr=lambda: [1e-4]))
+    accelerator = SimpleNamespace(
+        is_main_process=False,
+        num_processes=1,
+        device=torch.device(device),
+        reduce=lambda t, op: t,
+        log=lambda row, step: None,
+    )
+    return SimpleNamespace(
+        accelerator=accelerator,
+        cfg=SimpleNamespace(train=SimpleNamespace(log_every=log_every)),
+        plan=SimpleNamespace(total_optimizer_steps=total),
+        step=0,
+        state=SimpleNamespace(epoch=0, samples_seen_total=0),
+        lr_scheduler=SimpleNamespace(get_last_lr=lambda: [1e-4]),
+    )
 
 
 def telemetry_on(device: str) -> Telemetry:
@@ -72,14 +81,15 @@ def test_allocator_retries_are_reported_with_what_avoids_them(caplog):
     from sdpipe.train import loop
 
     assert telemetry_on("cpu").alloc_retries() is None  # no CUDA allocator on a CPU
-    run = SimpleNamespace(telemetry=SimpleNamespace(alloc_retries=lambda: 7), step=40,
-                          accelerator=SimpleNamespace(is_main_process=True))
+    run = SimpleNamespace(
+        telemetry=SimpleNamespace(alloc_retries=lambda: 7), step=40, accelerator=SimpleNamespace(is_main_process=True)
+    )
     with caplog.at_level("WARNING", logger="sdpipe.train"):
         loop.warn_about_alloc_retries(run)
         assert "7 times in 40 optimizer steps" in caplog.text and "expandable_segments:True" in caplog.text
         caplog.clear()
         for none in (0, None):
-            run.telemetry.alloc_retries = lambda: none
+            run.telemetry.alloc_retries = lambda none=none: none
             loop.warn_about_alloc_retries(run)
         assert not caplog.records
 

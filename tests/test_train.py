@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import csv
+import os
 import shutil
 import signal
 import subprocess
@@ -25,8 +25,17 @@ from sdpipe.stages import caption, latents, prepare
 from tests.conftest import REPO, small_config
 
 pytestmark = pytest.mark.slow
-TRAIN = {"mode": "full", "max_steps": 3, "per_device_batch_size": 4, "learning_rate": 0.001,
-         "lr_scheduler": "cosine", "lr_warmup_steps": 1, "checkpoint_every": 2, "log_every": 1, "caption_dropout": 0.2}
+TRAIN = {
+    "mode": "full",
+    "max_steps": 3,
+    "per_device_batch_size": 4,
+    "learning_rate": 0.001,
+    "lr_scheduler": "cosine",
+    "lr_warmup_steps": 1,
+    "checkpoint_every": 2,
+    "log_every": 1,
+    "caption_dropout": 0.2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +46,11 @@ def cache(tmp_path_factory, demo_source, tiny_model) -> tuple[Path, dict]:
     cfg = config.from_dict(raw_cfg)
     prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
     caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
-    latents.run(cfg, {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
-                {"index": tmp / "index.json", "summary": tmp / "ls.json"})
+    latents.run(
+        cfg,
+        {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
+        {"index": tmp / "index.json", "summary": tmp / "ls.json"},
+    )
     return tmp / "index.json", raw_cfg
 
 
@@ -47,9 +59,24 @@ def train(tmp: Path, cache, out: str, check: bool = True, **settings) -> subproc
     cfg = {**raw_cfg, "train": {**TRAIN, **settings}}
     cfg_path = tmp / f"{out}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "train", "--config", str(cfg_path), "--index", str(index),
-                           "--out", str(tmp / out), "--summary", str(tmp / out / "summary.json")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "train",
+            "--config",
+            str(cfg_path),
+            "--index",
+            str(index),
+            "--out",
+            str(tmp / out),
+            "--summary",
+            str(tmp / out / "summary.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return proc
@@ -142,9 +169,23 @@ def test_a_sdpipe_folder_in_the_project_does_not_shadow_the_installed_package(tm
     index, raw_cfg = cache
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**raw_cfg, "train": {**TRAIN, "max_steps": 1}}))
     out = tmp_path / "out"
-    proc = subprocess.run([shutil.which("sdpipe") or "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"),
-                           "--index", str(index), "--out", str(out), "--summary", str(out / "summary.json")],
-                          cwd=decoy.parent, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            shutil.which("sdpipe") or "sdpipe",
+            "train",
+            "--config",
+            str(tmp_path / "cfg.yaml"),
+            "--index",
+            str(index),
+            "--out",
+            str(out),
+            "--summary",
+            str(out / "summary.json"),
+        ],
+        cwd=decoy.parent,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "decoy-ran").exists()
 
@@ -160,12 +201,15 @@ def test_resume_on_another_world_size_continues_the_sample_count(tmp_path, cache
     assert summary["samples_seen"] - summary["samples_this_run"] == 8 and 0 < summary["samples_this_run"] <= 4
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"per_device_batch_size": 64}, "train.per_device_batch_size"),
-    ({"mode": "lora", "lora": {"target_modules": ["no_such_layer"]}}, "train.lora.target_modules"),
-    ({"mode": "dreambooth"}, "train.mode = 'dreambooth' is not allowed"),
-    ({"max_steps": 0}, "train.max_steps = 0"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"per_device_batch_size": 64}, "train.per_device_batch_size"),
+        ({"mode": "lora", "lora": {"target_modules": ["no_such_layer"]}}, "train.lora.target_modules"),
+        ({"mode": "dreambooth"}, "train.mode = 'dreambooth' is not allowed"),
+        ({"max_steps": 0}, "train.max_steps = 0"),
+    ],
+)
 def test_bad_settings_fail_before_launch(tmp_path, cache, settings, message):
     proc = train(tmp_path, cache, "bad", check=False, **settings)
     assert proc.returncode == 2 and message in proc.stderr
@@ -181,16 +225,36 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
 
 
 def test_missing_latent_cache_is_one_line(tmp_path, cache):
-    proc = subprocess.run([sys.executable, "-m", "sdpipe", "train", "--index", str(tmp_path / "none.json"),
-                           "--out", str(tmp_path / "o"), "--summary", str(tmp_path / "o" / "s.json")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "train",
+            "--index",
+            str(tmp_path / "none.json"),
+            "--out",
+            str(tmp_path / "o"),
+            "--summary",
+            str(tmp_path / "o" / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "run `snakemake latents` first" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_ema_tracker_and_validation_outputs(tmp_path, cache):
     project_dvc = (REPO / "dvc.yaml").read_text()
-    train(tmp_path, cache, "ema", max_steps=2, ema={"enabled": True, "decay": 0.5}, tracker="dvclive",
-          validation={"every": 1, "prompts": ["a red circle", "a blue star"], "seeds": [0, 1, 2], "steps": 1})
+    train(
+        tmp_path,
+        cache,
+        "ema",
+        max_steps=2,
+        ema={"enabled": True, "decay": 0.5},
+        tracker="dvclive",
+        validation={"every": 1, "prompts": ["a red circle", "a blue star"], "seeds": [0, 1, 2], "steps": 1},
+    )
     out = tmp_path / "ema"
     from PIL import Image
 
@@ -216,11 +280,11 @@ def wandb_records(path: Path):
     pos = 7
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if kind == 0:  # a block's zero-filled tail
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         parts = chunk if kind in (1, 2) else parts + chunk
         if kind in (1, 4):
             record = pb.Record()
@@ -283,13 +347,38 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path, cache):
     import psutil
 
     index, raw_cfg = cache
-    cfg = {**raw_cfg, "train": {**TRAIN, "max_steps": 100_000, "num_processes": 2, "per_device_batch_size": 2,
-                                "checkpoint_every": 0, "ddp": {"timeout_s": 600}}}
+    cfg = {
+        **raw_cfg,
+        "train": {
+            **TRAIN,
+            "max_steps": 100_000,
+            "num_processes": 2,
+            "per_device_batch_size": 2,
+            "checkpoint_every": 0,
+            "ddp": {"timeout_s": 600},
+        },
+    }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"),
-                             "--index", str(index), "--out", str(out), "--summary", str(out / "summary.json")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sdpipe",
+            "train",
+            "--config",
+            str(tmp_path / "cfg.yaml"),
+            "--index",
+            str(index),
+            "--out",
+            str(out),
+            "--summary",
+            str(out / "summary.json"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     tree = psutil.Process(proc.pid)
     everything: list = []
     try:
@@ -318,19 +407,37 @@ def test_a_kill_of_the_stage_takes_its_ranks_and_a_second_run_is_refused(tmp_pat
     import psutil
 
     index, raw_cfg = cache
-    cfg = {**raw_cfg, "train": {**TRAIN, "max_steps": 100_000, "num_processes": 2, "per_device_batch_size": 2,
-                                "checkpoint_every": 0}}
+    cfg = {
+        **raw_cfg,
+        "train": {**TRAIN, "max_steps": 100_000, "num_processes": 2, "per_device_batch_size": 2, "checkpoint_every": 0},
+    }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sdpipe", "train", "--config", str(tmp_path / "cfg.yaml"), "--index", str(index),
-           "--out", str(out), "--summary", str(out / "summary.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as Snakemake's job is
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdpipe",
+        "train",
+        "--config",
+        str(tmp_path / "cfg.yaml"),
+        "--index",
+        str(index),
+        "--out",
+        str(out),
+        "--summary",
+        str(out / "summary.json"),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group, as Snakemake's job is
     ranks: list = []
     try:
         _wait_for_rows(proc, out, 2)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "sdpipe.train.loop" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())]
+        ranks = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "sdpipe.train.loop" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())
+        ]
         assert len(ranks) == 2
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2
@@ -380,13 +487,16 @@ def test_resumed_optimizer_state_takes_the_weights_layout():
     opt.step()
 
     def step_from_saved(channels_last: bool, fix: bool) -> torch.Tensor:
-        p = torch.nn.Parameter(start.clone().contiguous(memory_format=torch.channels_last if channels_last
-                                                        else torch.contiguous_format))
+        p = torch.nn.Parameter(
+            start.clone().contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        )
         o = torch.optim.AdamW([p], fused=True)
         o.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from disk: loading may share the tensors
         if fix:
             assert match_state_layout(o) == (2 if channels_last else 0)  # exp_avg and exp_avg_sq
-        p.grad = grad.clone().contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        p.grad = grad.clone().contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        )
         o.step()
         return p.detach().contiguous()
 
@@ -425,17 +535,30 @@ def test_sdxl_family_trains_with_pooled_embeddings_and_time_ids(tmp_path, demo_s
     model = presets.build_and_save("tiny-sdxl", tmp_path / "sdxl")
     raw_cfg = small_config(tmp_path, demo_source, model)
     cfg = config.from_dict(raw_cfg)
-    prepare.run(cfg, {}, {"manifest": tmp_path / "m.jsonl", "rejected": tmp_path / "r.jsonl",
-                          "summary": tmp_path / "p.json"})
-    caption.run(cfg, {"manifest": tmp_path / "m.jsonl"}, {"captions": tmp_path / "c.jsonl",
-                                                          "summary": tmp_path / "cs.json"})
-    latents.run(cfg, {"manifest": tmp_path / "m.jsonl", "captions": tmp_path / "c.jsonl"},
-                {"index": tmp_path / "index.json", "summary": tmp_path / "ls.json"})
+    prepare.run(
+        cfg, {}, {"manifest": tmp_path / "m.jsonl", "rejected": tmp_path / "r.jsonl", "summary": tmp_path / "p.json"}
+    )
+    caption.run(
+        cfg, {"manifest": tmp_path / "m.jsonl"}, {"captions": tmp_path / "c.jsonl", "summary": tmp_path / "cs.json"}
+    )
+    latents.run(
+        cfg,
+        {"manifest": tmp_path / "m.jsonl", "captions": tmp_path / "c.jsonl"},
+        {"index": tmp_path / "index.json", "summary": tmp_path / "ls.json"},
+    )
     index = io.read_json(tmp_path / "index.json")
     assert index["model"]["family"] == "sdxl" and all(len(it["crop_top_left"]) == 2 for it in index["items"])
     # Both text encoders train as LoRA on 2 processes: DDP must accept text_encoder's unused last layer.
-    train(tmp_path, (tmp_path / "index.json", raw_cfg), "sdxl", mode="lora", max_steps=2, num_processes=2,
-          per_device_batch_size=2, text_encoder={"mode": "lora"})
+    train(
+        tmp_path,
+        (tmp_path / "index.json", raw_cfg),
+        "sdxl",
+        mode="lora",
+        max_steps=2,
+        num_processes=2,
+        per_device_batch_size=2,
+        text_encoder={"mode": "lora"},
+    )
     summary = io.read_json(tmp_path / "sdxl" / "summary.json")
     assert summary["optimizer_steps"] == 2 and summary["world_size"] == 2
     keys = load_file(str(tmp_path / "sdxl" / "final" / "pytorch_lora_weights.safetensors")).keys()
@@ -469,8 +592,18 @@ def test_text_encoder_lora_on_two_processes_reloads_in_diffusers(tmp_path, cache
     """UNet LoRA + text-encoder LoRA through DDP; diffusers loads both and the encoder's output changes."""
     from diffusers import StableDiffusionPipeline
 
-    train(tmp_path, cache, "telora", mode="lora", max_steps=2, num_processes=2, per_device_batch_size=2,
-          learning_rate=0.01, text_encoder={"mode": "lora"}, lora={"rank": 4, "alpha": 4})
+    train(
+        tmp_path,
+        cache,
+        "telora",
+        mode="lora",
+        max_steps=2,
+        num_processes=2,
+        per_device_batch_size=2,
+        learning_rate=0.01,
+        text_encoder={"mode": "lora"},
+        lora={"rank": 4, "alpha": 4},
+    )
     pipe = StableDiffusionPipeline.from_pretrained(cache[1]["model"]["pretrained"], safety_checker=None)
     ids = pipe.tokenizer(["a red circle"], padding="max_length", return_tensors="pt").input_ids
     before = pipe.text_encoder(ids)[0]

@@ -28,14 +28,17 @@ def sample_buckets(sizes: dict) -> list[tuple[int, int]]:
 # ---- accounting ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("w, b, k, micro, opt", [
-    (1, 4, 1, 25, 25),  # 100 / 4
-    (2, 4, 1, 13, 13),  # ceil(100 / 8): the last global batch holds 4
-    (2, 4, 4, 13, 4),  # ceil(13 / 4): the epoch's last optimizer step has one micro-step
-    (3, 2, 1, 17, 17),  # ceil(100 / 6)
-    (8, 4, 1, 4, 4),  # ceil(100 / 32)
-    (8, 1, 4, 13, 4),
-])
+@pytest.mark.parametrize(
+    "w, b, k, micro, opt",
+    [
+        (1, 4, 1, 25, 25),  # 100 / 4
+        (2, 4, 1, 13, 13),  # ceil(100 / 8): the last global batch holds 4
+        (2, 4, 4, 13, 4),  # ceil(13 / 4): the epoch's last optimizer step has one micro-step
+        (3, 2, 1, 17, 17),  # ceil(100 / 6)
+        (8, 4, 1, 4, 4),  # ceil(100 / 32)
+        (8, 1, 4, 13, 4),
+    ],
+)
 def test_single_bucket_counts(w, b, k, micro, opt):
     p = plan(w=w, b=b, k=k, epochs=3)
     assert (p.micro_steps_per_epoch, p.optimizer_steps_per_epoch) == (micro, opt)
@@ -44,13 +47,16 @@ def test_single_bucket_counts(w, b, k, micro, opt):
     assert p.samples_per_epoch == p.dataset_size == 100
 
 
-@pytest.mark.parametrize("w, b, k, micro, opt", [
-    (1, 4, 1, 3 + 2 + 1, 6),
-    (2, 2, 1, 3 + 2 + 1, 6),  # same G = 4 as 1 x 4
-    (3, 2, 4, 2 + 2 + 1, 2),  # G = 6: 10 -> 6+4, 7 -> 6+1, 3 -> 3
-    (8, 1, 1, 2 + 1 + 1, 4),  # G = 8
-    (8, 1, 4, 4, 1),
-])
+@pytest.mark.parametrize(
+    "w, b, k, micro, opt",
+    [
+        (1, 4, 1, 3 + 2 + 1, 6),
+        (2, 2, 1, 3 + 2 + 1, 6),  # same G = 4 as 1 x 4
+        (3, 2, 4, 2 + 2 + 1, 2),  # G = 6: 10 -> 6+4, 7 -> 6+1, 3 -> 3
+        (8, 1, 1, 2 + 1 + 1, 4),  # G = 8
+        (8, 1, 4, 4, 1),
+    ],
+)
 def test_uneven_bucket_counts(w, b, k, micro, opt):
     p = plan(UNEVEN, w=w, b=b, k=k, epochs=2)
     assert (p.micro_steps_per_epoch, p.optimizer_steps_per_epoch, p.total_optimizer_steps) == (micro, opt, 2 * opt)
@@ -72,8 +78,13 @@ def test_doubling_world_size_halves_steps_per_epoch():
 def test_two_ranks_times_b_equals_one_rank_times_2b():
     for k in (1, 4):
         two, one = plan(UNEVEN, w=2, b=3, k=k, epochs=5), plan(UNEVEN, w=1, b=6, k=k, epochs=5)
-        keys = ("micro_steps_per_epoch", "optimizer_steps_per_epoch", "total_optimizer_steps", "lr_schedule_steps",
-                "global_batch_size")
+        keys = (
+            "micro_steps_per_epoch",
+            "optimizer_steps_per_epoch",
+            "total_optimizer_steps",
+            "lr_schedule_steps",
+            "global_batch_size",
+        )
         assert {key: getattr(two, key) for key in keys} == {key: getattr(one, key) for key in keys}
     buckets = sample_buckets(UNEVEN)
     for epoch in range(3):
@@ -88,8 +99,16 @@ def test_as_dict_and_summary_block():
     p = plan(UNEVEN, w=2, b=2, k=4, epochs=3, warmup=1)
     assert json.loads(json.dumps(p.as_dict()))["total_optimizer_steps"] == 6
     text = summary_block(p)
-    for needle in ("Running training", "384x640: 3", "World size", "Global batch", "Micro-steps per epoch",
-                   "Total optimizer steps", "LR schedule length", "LR warmup steps"):
+    for needle in (
+        "Running training",
+        "384x640: 3",
+        "World size",
+        "Global batch",
+        "Micro-steps per epoch",
+        "Total optimizer steps",
+        "LR schedule length",
+        "LR warmup steps",
+    ):
         assert needle in text
 
 
@@ -99,19 +118,22 @@ def test_count_buckets_and_sync_now():
     assert [i for i, s in zip(range(1, 11), synced) if s] == [4, 8, 10]
 
 
-@pytest.mark.parametrize("call, setting", [
-    (lambda: plan({}), "dataset is empty"),
-    (lambda: plan({(64, 64): 0}), "dataset is empty"),
-    (lambda: plan(epochs=0), "train.epochs=0"),
-    (lambda: plan(max_steps=0), "train.max_steps=0"),
-    (lambda: plan(epochs=2, warmup=51), "train.lr_warmup_steps=51"),  # 2 x 25 = 50 steps
-    (lambda: plan({(64, 64): 3}, w=4, b=1), "train.num_processes=4"),
-    (lambda: plan(b=0), "train.per_device_batch_size=0"),
-    (lambda: plan(k=0), "train.grad_accum_steps=0"),
-    (lambda: check_batch_fits(UNEVEN, 2, 6), "train.per_device_batch_size=6"),
-    (lambda: check_batch_fits(UNEVEN, 11, 1), "train.per_device_batch_size=1"),
-    (lambda: check_batch_fits({}, 1, 1), "dataset is empty"),
-])
+@pytest.mark.parametrize(
+    "call, setting",
+    [
+        (lambda: plan({}), "dataset is empty"),
+        (lambda: plan({(64, 64): 0}), "dataset is empty"),
+        (lambda: plan(epochs=0), "train.epochs=0"),
+        (lambda: plan(max_steps=0), "train.max_steps=0"),
+        (lambda: plan(epochs=2, warmup=51), "train.lr_warmup_steps=51"),  # 2 x 25 = 50 steps
+        (lambda: plan({(64, 64): 3}, w=4, b=1), "train.num_processes=4"),
+        (lambda: plan(b=0), "train.per_device_batch_size=0"),
+        (lambda: plan(k=0), "train.grad_accum_steps=0"),
+        (lambda: check_batch_fits(UNEVEN, 2, 6), "train.per_device_batch_size=6"),
+        (lambda: check_batch_fits(UNEVEN, 11, 1), "train.per_device_batch_size=1"),
+        (lambda: check_batch_fits({}, 1, 1), "dataset is empty"),
+    ],
+)
 def test_errors_are_one_line_user_errors(call, setting):
     with pytest.raises(UserError) as err:
         call()
@@ -178,7 +200,7 @@ def consume(sampler: BucketSampler, state: SamplerState, count: int) -> tuple[Sa
     """Run `count` global batches as a single-rank loop would; returns the new state and the batches."""
     taken = []
     while len(taken) < count:
-        for idx, n, _ in sampler.batches(state):
+        for _idx, n, _ in sampler.batches(state):
             taken.append(sampler.remaining(state)[0])
             state = sampler.advance(state, n)
             if len(taken) == count:
@@ -260,5 +282,5 @@ def test_upcoming_continues_a_replanned_epoch():
     state = one.resume(checkpoint(state))
     rest = one.remaining(state)
     ahead = one.upcoming(state, len(rest) + 3)
-    assert ahead[:len(rest)] == [(state.epoch, c) for c in rest]
-    assert ahead[len(rest):] == [(state.epoch + 1, c) for c in epoch_plan(buckets, state.epoch + 1, 4, 2)[:3]]
+    assert ahead[: len(rest)] == [(state.epoch, c) for c in rest]
+    assert ahead[len(rest) :] == [(state.epoch + 1, c) for c in epoch_plan(buckets, state.epoch + 1, 4, 2)[:3]]

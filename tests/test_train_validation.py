@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -34,8 +33,18 @@ def _unet(model):
 
 
 def _render(accelerator, unet, model, out, step=0) -> np.ndarray:
-    path = validation.render(accelerator, {"unet": unet}, _cfg(model), step, out, PROMPTS, SEEDS, num_inference_steps=2,
-                             guidance_scale=3.0, resolution=(32, 32))
+    path = validation.render(
+        accelerator,
+        {"unet": unet},
+        _cfg(model),
+        step,
+        out,
+        PROMPTS,
+        SEEDS,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        resolution=(32, 32),
+    )
     assert path == out / f"step-{step:08d}.png" and path.is_file()
     with Image.open(path) as im:
         assert im.size == (2 * 32, 2 * 32)

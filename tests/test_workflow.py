@@ -23,8 +23,9 @@ def summary(project, stage):
 def project(tmp_path_factory, demo_source):
     """One Snakemake run through `latents`, shared by the tests that read its results. The VAE is the preset's
     (not trained on the data, as with any pretrained model), so adding images encodes only those."""
-    proj = make_project(tmp_path_factory.mktemp("wf") / "proj", demo_source, prepare=SMALL,
-                        model={"train_vae": {"enabled": False}})
+    proj = make_project(
+        tmp_path_factory.mktemp("wf") / "proj", demo_source, prepare=SMALL, model={"train_vae": {"enabled": False}}
+    )
     run(["snakemake", "--cores", "2", "latents"], proj)
     return proj
 
@@ -107,8 +108,11 @@ def test_a_users_configfile_means_what_check_config_says(tmp_path):
     --config my.yaml` validates (schema defaults under the user's file), with nothing inherited from the demo's
     config/config.yaml (its train_vae, learning rate, text encoder)."""
     proj = make_project(tmp_path / "p", None)
-    mine = {"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
-            "prepare": {"buckets": {"resolution": 32, "step": 8}}, "train": {"max_steps": 3}}
+    mine = {
+        "model": {"pretrained": "models/tiny", "build_preset": "tiny"},
+        "prepare": {"buckets": {"resolution": 32, "step": 8}},
+        "train": {"max_steps": 3},
+    }
     (proj / "my.yaml").write_text(yaml.safe_dump(mine))
     run(["snakemake", "--cores", "1", "--configfile", "my.yaml", "--config", "seed=7", "--", "base_model"], proj)
     resolved = yaml.safe_load((proj / "results" / "config.resolved.yaml").read_text())
@@ -126,9 +130,12 @@ def test_a_single_file_base_model_is_an_input_of_the_stages_that_load_it(tmp_pat
     hashes in the caches instead)."""
     ckpt = tmp_path / "my-model.safetensors"
     ckpt.write_bytes(b"not read by a dry run")
-    proj = make_project(tmp_path / "p", None, model={"pretrained": str(ckpt), "build_preset": None,
-                                                     "train_vae": {"enabled": False}},
-                        prepare={"buckets": {"resolution": 512, "step": 64}})
+    proj = make_project(
+        tmp_path / "p",
+        None,
+        model={"pretrained": str(ckpt), "build_preset": None, "train_vae": {"enabled": False}},
+        prepare={"buckets": {"resolution": 512, "step": 64}},
+    )
     proc = run(["snakemake", "-n", "--cores", "1", "export"], proj)
     jobs = proc.stdout.split("rule ")
     for rule in ("latents", "train", "export"):
@@ -148,15 +155,26 @@ def test_profiles_parse(tmp_path, demo_source):
     slurm = run(["snakemake", "--profile", "profiles/slurm", "-n", "-p"], proj)
     assert "latents" in slurm.stdout
     # Training: one 2-node allocation; srun starts one `sdpipe train` per node, which resolves "auto" there.
-    train_job = slurm.stdout[slurm.stdout.index("rule train:"):].split("\n\n")[0]
+    train_job = slurm.stdout[slurm.stdout.index("rule train:") :].split("\n\n")[0]
     assert "nodes=2, tasks=2, tasks_per_gpu=0, gres=gpu:8" in train_job
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 sdpipe train" in train_job
     assert "--set train.num_processes=auto" in train_job
     # Kubernetes keeps data in a storage provider (S3 in the profile); a local folder stands in for the bucket,
     # holding the raw images as a user's upload would.
     shutil.copytree(proj / "data" / "raw", tmp_path / "bucket" / "data" / "raw")
-    k8s = run(["snakemake", "--profile", "profiles/kubernetes", "-n", "--default-storage-provider", "fs",
-               "--default-storage-prefix", str(tmp_path / "bucket")], proj)
+    k8s = run(
+        [
+            "snakemake",
+            "--profile",
+            "profiles/kubernetes",
+            "-n",
+            "--default-storage-provider",
+            "fs",
+            "--default-storage-prefix",
+            str(tmp_path / "bucket"),
+        ],
+        proj,
+    )
     assert "rule train:" in k8s.stdout and "gpu=8" in k8s.stdout
 
 
@@ -198,9 +216,14 @@ def test_a_dry_run_leaves_the_config_a_running_pipeline_reads(tmp_path):
     run(["snakemake", "--cores", "1", "base_model"], proj)
     resolved = proj / "results" / "config.resolved.yaml"
     before = resolved.read_bytes()
-    (proj / "other.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "models/tiny", "build_preset": "tiny"},
-                                                     "train": {"learning_rate": 0.5, "max_steps": 2}}))
+    (proj / "other.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"pretrained": "models/tiny", "build_preset": "tiny"},
+                "train": {"learning_rate": 0.5, "max_steps": 2},
+            }
+        )
+    )
     proc = run(["snakemake", "--cores", "1", "-n", "--configfile", "other.yaml"], proj)
     assert "rule train" in proc.stdout  # the dry run planned the other config's jobs
     assert resolved.read_bytes() == before
-

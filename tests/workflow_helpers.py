@@ -11,12 +11,23 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "profiles", "runpod", "dvc.yaml", ".dvcignore"]
 # The demo config on a CPU-test schedule: every stage runs, each only a few steps.
-FAST = {"model": {"train_vae": {"enabled": True, "steps": 4, "batch_size": 8}},
-        "train": {"max_steps": 4, "per_device_batch_size": 4, "checkpoint_every": 2, "lr_warmup_steps": 0,
-                  "validation": {"every": 0}},
-        "export": {"verify": {"prompt": "a red circle on a white background", "steps": 2}},
-        "evaluate": {"prompts": ["a red circle on a white background", "a blue square on a white background"],
-                     "seeds": [0], "steps": 2, "fid": {"enabled": False}}}  # 40 images leave no eval split
+FAST = {
+    "model": {"train_vae": {"enabled": True, "steps": 4, "batch_size": 8}},
+    "train": {
+        "max_steps": 4,
+        "per_device_batch_size": 4,
+        "checkpoint_every": 2,
+        "lr_warmup_steps": 0,
+        "validation": {"every": 0},
+    },
+    "export": {"verify": {"prompt": "a red circle on a white background", "steps": 2}},
+    "evaluate": {
+        "prompts": ["a red circle on a white background", "a blue square on a white background"],
+        "seeds": [0],
+        "steps": 2,
+        "fid": {"enabled": False},
+    },
+}  # 40 images leave no eval split
 
 
 def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, **config_changes) -> Path:
@@ -42,5 +53,7 @@ def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, *
 def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc

@@ -26,8 +26,10 @@ def shapes(preset: str, resolution: int) -> dict:
 def random_cond(preset: str, resolution: int, batch: int, device, gen: torch.Generator) -> dict:
     """Latents and text states in the layout sdpipe's cache gives the step ("hidden"; SDXL "pooled", "time_ids")."""
     s = shapes(preset, resolution)
-    out = {"latents": torch.randn(batch, *s["latent"], generator=gen).to(device),
-           "hidden": torch.randn(batch, *s["context"], generator=gen).to(device)}
+    out = {
+        "latents": torch.randn(batch, *s["latent"], generator=gen).to(device),
+        "hidden": torch.randn(batch, *s["context"], generator=gen).to(device),
+    }
     if "pooled" in s:
         size = s["size"]
         out["pooled"] = torch.randn(batch, s["pooled"], generator=gen).to(device)
@@ -48,8 +50,9 @@ def autocast(device):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def step(unet, optimizer, scheduler, data: dict, noise: torch.Tensor, timesteps: torch.Tensor,
-         mixed: bool = True) -> torch.Tensor:
+def step(
+    unet, optimizer, scheduler, data: dict, noise: torch.Tensor, timesteps: torch.Tensor, mixed: bool = True
+) -> torch.Tensor:
     """One optimizer step of the example loop; returns the loss (not read back, so the host never waits)."""
     import contextlib
 
@@ -73,8 +76,12 @@ def flops_per_sample(unet, preset: str, resolution: int, device) -> float:
     added = {"text_embeds": data["pooled"], "time_ids": data["time_ids"]} if "pooled" in data else None
     with FlopCounterMode(display=False) as counter:
         with autocast(device):
-            pred = unet(data["latents"], torch.tensor([10, 500], device=device),
-                        encoder_hidden_states=data["hidden"], added_cond_kwargs=added).sample
+            pred = unet(
+                data["latents"],
+                torch.tensor([10, 500], device=device),
+                encoder_hidden_states=data["hidden"],
+                added_cond_kwargs=added,
+            ).sample
         pred.float().pow(2).mean().backward()
     unet.zero_grad(set_to_none=True)
     return counter.get_total_flops() / 2
@@ -91,6 +98,17 @@ def peak_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
+def _timed_steps(n: int, unet, optimizer, scheduler, data: dict, device) -> float:
+    batch = data["latents"].shape[0]
+    start = time.perf_counter()
+    for _ in range(n):
+        noise = torch.randn_like(data["latents"])
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), device=device)
+        step(unet, optimizer, scheduler, data, noise, t)
+    sync(device)
+    return time.perf_counter() - start
+
+
 def measure(preset: str, resolution: int, batch: int, steps: int, warmup: int, device) -> dict:
     """Samples/s of the example loop after `warmup` steps; also the model's FLOPs per sample."""
     from sdpipe.models import presets
@@ -103,19 +121,16 @@ def measure(preset: str, resolution: int, batch: int, steps: int, warmup: int, d
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            noise = torch.randn_like(data["latents"])
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), device=device)
-            step(unet, optimizer, scheduler, data, noise, t)
-        sync(device)
-        return time.perf_counter() - start
-
-    warm = run(warmup)
-    seconds = run(steps)
-    row = {"name": f"baseline: diffusers example loop, eager, batch {batch}", "kind": "baseline", "batch": batch,
-           "samples_per_s": batch * steps / seconds, "warmup_s": warm, "peak_memory_gib": peak_gib(device)}
+    warm = _timed_steps(warmup, unet, optimizer, scheduler, data, device)
+    seconds = _timed_steps(steps, unet, optimizer, scheduler, data, device)
+    row = {
+        "name": f"baseline: diffusers example loop, eager, batch {batch}",
+        "kind": "baseline",
+        "batch": batch,
+        "samples_per_s": batch * steps / seconds,
+        "warmup_s": warm,
+        "peak_memory_gib": peak_gib(device),
+    }
     del unet, optimizer
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()

@@ -10,30 +10,46 @@ from pathlib import Path
 
 log = logging.getLogger("sdpipe.bench")
 PRESETS = {  # resolution, default per-GPU batch, JPEGs to cache
-    "sd15": (512, 32, 2000), "sdxl": (1024, 8, 256), "tiny": (32, 8, 64)}
+    "sd15": (512, 32, 2000),
+    "sdxl": (1024, 8, 256),
+    "tiny": (32, 8, 64),
+}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="sd15 (default), sdxl; repeatable")
     p.add_argument("--batch", type=int, action="append", help="per-GPU batch; repeatable (default: the preset's)")
-    p.add_argument("--baseline-batch", type=int, action="append",
-                   help="per-GPU batch of the baseline rows; repeatable (default: --batch). The baseline may run at "
-                        "its own best batch: eager SDXL runs out of memory at the batch the compiled step trains at")
+    p.add_argument(
+        "--baseline-batch",
+        type=int,
+        action="append",
+        help="per-GPU batch of the baseline rows; repeatable (default: --batch). The baseline may run at "
+        "its own best batch: eager SDXL runs out of memory at the batch the compiled step trains at",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per row (after --warmup)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compiling happens here)")
     p.add_argument("--latent-batch", type=int, help="images per batch in the latents stage (default: its auto rule)")
     p.add_argument("--images", type=int, help="JPEGs to cache (default: 2000 for sd15, 256 for sdxl)")
     p.add_argument("--skip", action="append", default=[], choices=["baseline", "parity", "latents", "loader", "train"])
-    p.add_argument("--compile", action="append", choices=["compiled", "eager", "blocks", "auto"],
-                   help="train.compile for the sdpipe rows (default: compiled on a GPU; a bench's few steps would "
-                        "make `auto` pick eager); repeatable")
+    p.add_argument(
+        "--compile",
+        action="append",
+        choices=["compiled", "eager", "blocks", "auto"],
+        help="train.compile for the sdpipe rows (default: compiled on a GPU; a bench's few steps would "
+        "make `auto` pick eager); repeatable",
+    )
     p.add_argument("--work", default="/tmp/sdpipe-bench", help="scratch: images, caches, runs")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", help="results file stem (default: bench-<presets>)")
     p.add_argument("--commit", help="the code's git commit, when the tree has no .git (default: git rev-parse)")
-    p.add_argument("--summarize", nargs="+", type=Path, metavar="RESULTS_JSON",
-                   help="measure nothing: put these results files (from calls that each ran some rows) into one "
-                        "table with each file's provenance, written to --out as <--name or summary>.md/.json")
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="measure nothing: put these results files (from calls that each ran some rows) into one "
+        "table with each file's provenance, written to --out as <--name or summary>.md/.json",
+    )
 
 
 def matmul_peak(device, n: int = 8192, reps: int = 20) -> float | None:
@@ -83,10 +99,16 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         # The count is in the name: a scratch folder reused with another --images must not feed stale files on.
         raw = pipeline.write_jpegs(work / f"jpeg-{resolution}-{count}", count, resolution)
         log.info("bench %s: latent caching, %s", preset, name)
-        settings = {"dtype": "bf16", "batch_size": args.latent_batch or "auto", "loader_threads": 0, "compile": mode,
-                    "gpus": 1 if device.type == "cuda" else 0}
-        out["latents"].append({"name": name, **pipeline.cache_latents(work, f"{preset}-{mode}", model, raw,
-                                                                     resolution, settings)})
+        settings = {
+            "dtype": "bf16",
+            "batch_size": args.latent_batch or "auto",
+            "loader_threads": 0,
+            "compile": mode,
+            "gpus": 1 if device.type == "cuda" else 0,
+        }
+        out["latents"].append(
+            {"name": name, **pipeline.cache_latents(work, f"{preset}-{mode}", model, raw, resolution, settings)}
+        )
         _show(out["latents"][-1])
     cache = out["latents"][-1] if out["latents"] else None
     if "baseline" not in args.skip:
@@ -98,11 +120,19 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         for mode in args.compile or ["compiled" if device.type == "cuda" else "eager"]:
             for batch in batches:
                 log.info("bench %s: sdpipe train, compile %s, batch %d", preset, mode, batch)
-                row = pipeline.train_row(work, cache, f"{preset}-{mode}-{batch}", batch, args.steps + args.warmup,
-                                         args.warmup, {"compile": mode})
+                row = pipeline.train_row(
+                    work,
+                    cache,
+                    f"{preset}-{mode}-{batch}",
+                    batch,
+                    args.steps + args.warmup,
+                    args.warmup,
+                    {"compile": mode},
+                )
                 label = "torch.compile" if mode == "compiled" and device.type == "cuda" else mode
-                out["rows"].append({"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe",
-                                    **row})
+                out["rows"].append(
+                    {"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe", **row}
+                )
                 _show(out["rows"][-1])
     if "loader" not in args.skip:
         batch = max(batches)
@@ -133,8 +163,13 @@ def run(args) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     presets = args.preset or ["sd15"]
-    meta = {**report.provenance(args.commit), "steps": args.steps, "warmup": args.warmup,
-            "peak_tflops": matmul_peak(device), "presets": presets}
+    meta = {
+        **report.provenance(args.commit),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "peak_tflops": matmul_peak(device),
+        "presets": presets,
+    }
     _show({"peak_tflops": meta["peak_tflops"], "gpu": meta.get("gpu")})  # a run cut short keeps its MFU denominator
     stem = args.name or "bench-" + "-".join(presets)
     results = {"meta": meta, "presets": {}}

@@ -23,14 +23,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
 from sdpipe import config, io
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.bench")
-PROMPTS = ["a photo of a red balloon over a lake", "a watercolour painting of a lighthouse",
-           "a close-up photo of a green apple on a table", "an oil painting of mountains at sunset"]
+PROMPTS = [
+    "a photo of a red balloon over a lake",
+    "a watercolour painting of a lighthouse",
+    "a close-up photo of a green apple on a table",
+    "an oil painting of mountains at sunset",
+]
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,21 @@ def bench_config(job: Job) -> dict:
     rate, precision, min-SNR, validation settings, text encoder) is the template's, as a user runs it."""
     seeds = max(1, job.eval_images // len(PROMPTS))
     tiny = job.preset == "tiny"
-    train = {"per_device_batch_size": job.batch, "grad_accum_steps": 1, "max_steps": job.steps, "lr_warmup_steps": 0,
-             "checkpoint_every": 500, "keep_checkpoints": 1, "log_every": 10,
-             "validation": {"every": job.steps, "prompts": PROMPTS[:2], "seeds": [0]}}
-    out = {"prepare": {"min_size": min(256, job.resolution), "eval_fraction": 0.05},
-           "train": train, "evaluate": {"seeds": list(range(seeds)), "batch_size": "auto"}}
+    train = {
+        "per_device_batch_size": job.batch,
+        "grad_accum_steps": 1,
+        "max_steps": job.steps,
+        "lr_warmup_steps": 0,
+        "checkpoint_every": 500,
+        "keep_checkpoints": 1,
+        "log_every": 10,
+        "validation": {"every": job.steps, "prompts": PROMPTS[:2], "seeds": [0]},
+    }
+    out = {
+        "prepare": {"min_size": min(256, job.resolution), "eval_fraction": 0.05},
+        "train": train,
+        "evaluate": {"seeds": list(range(seeds)), "batch_size": "auto"},
+    }
     if tiny:
         out["prepare"]["buckets"] = {"resolution": 32, "step": 8}
         out["latents"] = {"dtype": "fp32"}
@@ -103,8 +115,17 @@ def make_project(job: Job, folder: Path, source: Path, images: int, single_file:
 def run_snakemake(project: Path, logfile: Path, extra: list[str]) -> float:
     """`snakemake --profile runpod` in the project; its wall seconds. A failure is one line naming the log."""
     # extra (targets, --config ...) before --configfile, whose list would swallow a target
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "runpod", *extra, "--configfile", "config/config.yaml",
-           BENCH_CONFIG]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--profile",
+        "runpod",
+        *extra,
+        "--configfile",
+        "config/config.yaml",
+        BENCH_CONFIG,
+    ]
     # the rules call `sdpipe`: this interpreter's scripts first, as in a venv the user activated
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     start = time.perf_counter()
@@ -134,15 +155,40 @@ def warm_start(project: Path, steps: int = 20) -> dict:
     caches the first run left in the project's cache/."""
     out = project / "results" / "warm-start"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "sdpipe", "train", "--config", "results/config.resolved.yaml",
-           "--set", f"train.max_steps={steps}", "--set", "train.resume=null", "--set", "train.checkpoint_every=0",
-           "--set", "train.validation.every=0", "--set", "train.save_final=false", "--set", "train.log_every=5",
-           "--index", "results/latents/index.json", "--out", str(out), "--summary", str(out / "summary.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sdpipe",
+        "train",
+        "--config",
+        "results/config.resolved.yaml",
+        "--set",
+        f"train.max_steps={steps}",
+        "--set",
+        "train.resume=null",
+        "--set",
+        "train.checkpoint_every=0",
+        "--set",
+        "train.validation.every=0",
+        "--set",
+        "train.save_final=false",
+        "--set",
+        "train.log_every=5",
+        "--index",
+        "results/latents/index.json",
+        "--out",
+        str(out),
+        "--summary",
+        str(out / "summary.json"),
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=project, check=True, capture_output=True)
     summary = io.read_json(out / "summary.json")
-    return {"steps": steps, "stage_s": round(time.perf_counter() - start, 3),
-            **{k: summary.get(k) for k in ("time_to_first_step_s", "compile_s", "warmup_s", "samples_per_s")}}
+    return {
+        "steps": steps,
+        "stage_s": round(time.perf_counter() - start, 3),
+        **{k: summary.get(k) for k in ("time_to_first_step_s", "compile_s", "warmup_s", "samples_per_s")},
+    }
 
 
 def collect(project: Path, wall: float) -> dict:
@@ -154,31 +200,60 @@ def collect(project: Path, wall: float) -> dict:
     latents = io.read_json(project / "results" / "latents" / "summary.json")
     other = sum(v for k, v in stages.items() if k != "train")
     return {
-        "dag_s": round(wall, 3), "stages_s": stages, "snakemake_overhead_s": round(wall - sum(stages.values()), 3),
-        "non_training_share": round((wall - stages.get("train", 0.0)) / wall, 4), "other_stages_s": round(other, 3),
-        "train": {k: train.get(k) for k in ("optimizer_steps", "global_batch_size", "compile", "samples_per_s",
-                                            "warmup_s", "compile_s", "time_to_first_step_s",
-                                            "validation_and_checkpoint_s", "seconds", "peak_memory_mb")},
+        "dag_s": round(wall, 3),
+        "stages_s": stages,
+        "snakemake_overhead_s": round(wall - sum(stages.values()), 3),
+        "non_training_share": round((wall - stages.get("train", 0.0)) / wall, 4),
+        "other_stages_s": round(other, 3),
+        "train": {
+            k: train.get(k)
+            for k in (
+                "optimizer_steps",
+                "global_batch_size",
+                "compile",
+                "samples_per_s",
+                "warmup_s",
+                "compile_s",
+                "time_to_first_step_s",
+                "validation_and_checkpoint_s",
+                "seconds",
+                "peak_memory_mb",
+            )
+        },
         "latents": {k: latents.get(k) for k in ("items", "encoded", "images_per_s", "batch_sizes", "seconds")},
-        "export": {name: {k: f[k] for k in ("verified", "mean_abs_diff", "max_abs_diff")}
-                   for name, f in export["formats"].items()} | {"rendered_on": export["verify"].get("rendered_on")},
-        "evaluate": {"images": metrics.get("images"), "images_per_s": metrics.get("inference_samples_per_s"),
-                     "load_s": metrics.get("inference_load_s"), "warmup_s": metrics.get("inference_warmup_s"),
-                     "fid": metrics["fid"], "clip_score": metrics["clip_score"]},
+        "export": {
+            name: {k: f[k] for k in ("verified", "mean_abs_diff", "max_abs_diff")}
+            for name, f in export["formats"].items()
+        }
+        | {"rendered_on": export["verify"].get("rendered_on")},
+        "evaluate": {
+            "images": metrics.get("images"),
+            "images_per_s": metrics.get("inference_samples_per_s"),
+            "load_s": metrics.get("inference_load_s"),
+            "warmup_s": metrics.get("inference_warmup_s"),
+            "fid": metrics["fid"],
+            "clip_score": metrics["clip_score"],
+        },
     }
 
 
-def run_job(name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str],
-            single_file: bool = False) -> dict:
+def run_job(
+    name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str], single_file: bool = False
+) -> dict:
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
-    log.info("bench-dag %s: making the project (%d images at %d px, preset %s)", name, job.images, job.resolution,
-             job.preset)
+    log.info(
+        "bench-dag %s: making the project (%d images at %d px, preset %s)", name, job.images, job.resolution, job.preset
+    )
     setup = make_project(job, folder / "project", source, job.images, single_file)
     log.info("bench-dag %s: snakemake --profile runpod", name)
     wall = run_snakemake(folder / "project", folder / "snakemake.log", extra)
-    result = {"job": asdict(job), "model_format": "single file" if single_file else "diffusers folder",
-              "setup_s": setup, **collect(folder / "project", wall)}
+    result = {
+        "job": asdict(job),
+        "model_format": "single file" if single_file else "diffusers folder",
+        "setup_s": setup,
+        **collect(folder / "project", wall),
+    }
     if warm:
         result["warm_start"] = warm_start(folder / "project")
     log.info("bench result: %s %s", name, result)
@@ -186,19 +261,33 @@ def run_job(name: str, job: Job, work: Path, source: Path, warm: bool, extra: li
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--job", action="append", choices=sorted(JOBS), help="sd15-full (default), sd15-lora, sdxl-lora, "
-                                                                        "tiny (a CPU smoke run); repeatable")
+    p.add_argument(
+        "--job",
+        action="append",
+        choices=sorted(JOBS),
+        help="sd15-full (default), sd15-lora, sdxl-lora, tiny (a CPU smoke run); repeatable",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps (default: the job's)")
     p.add_argument("--images", type=int, help="JPEGs to make (default: the job's)")
-    p.add_argument("--source", help="the workflow files to seed projects from: a checkout or the image's project "
-                                    "(default: $SDPIPE_IMAGE_PROJECT, else the current folder)")
+    p.add_argument(
+        "--source",
+        help="the workflow files to seed projects from: a checkout or the image's project "
+        "(default: $SDPIPE_IMAGE_PROJECT, else the current folder)",
+    )
     p.add_argument("--work", default="/tmp/sdpipe-dag", help="scratch: one project folder per job")
     p.add_argument("--no-warm-start", action="store_true", help="skip the second, short training run")
-    p.add_argument("--model-format", choices=["folder", "single-file"], default="folder",
-                   help="the base model as a diffusers folder or as one .safetensors file (converted in the DAG)")
+    p.add_argument(
+        "--model-format",
+        choices=["folder", "single-file"],
+        default="folder",
+        help="the base model as a diffusers folder or as one .safetensors file (converted in the DAG)",
+    )
     p.add_argument("--skip-dag", action="store_true", help="make the projects and run only --baseline-script")
-    p.add_argument("--baseline-script", type=Path, help="diffusers' train_text_to_image.py, to run on each sd15 "
-                                                        "job's images and model after its DAG")
+    p.add_argument(
+        "--baseline-script",
+        type=Path,
+        help="diffusers' train_text_to_image.py, to run on each sd15 job's images and model after its DAG",
+    )
     p.add_argument("--baseline-steps", type=int, help="steps of that run (default: the job's; fewer are projected)")
     p.add_argument("--snakemake-arg", action="append", default=[], help="passed on to snakemake; repeatable")
     p.add_argument("--out", default="benchmarks/results")
@@ -232,14 +321,24 @@ def run(args) -> int:
     results = {"meta": provenance(args.commit), "jobs": {}}
     for name, job in _jobs(args).items():
         if args.skip_dag:
-            res = {"job": asdict(job), "setup_s": make_project(job, work / name / "project", source, job.images,
-                                                               args.model_format == "single-file")}
+            res = {
+                "job": asdict(job),
+                "setup_s": make_project(
+                    job, work / name / "project", source, job.images, args.model_format == "single-file"
+                ),
+            }
         else:
-            res = run_job(name, job, work, source, not args.no_warm_start, args.snakemake_arg,
-                          args.model_format == "single-file")
+            res = run_job(
+                name, job, work, source, not args.no_warm_start, args.snakemake_arg, args.model_format == "single-file"
+            )
         if args.baseline_script and job.preset == "sd15":
-            res["baseline"] = peer.run(args.baseline_script.resolve(), work / name / "project", job, work / name,
-                                       args.baseline_steps or job.steps)
+            res["baseline"] = peer.run(
+                args.baseline_script.resolve(),
+                work / name / "project",
+                job,
+                work / name,
+                args.baseline_steps or job.steps,
+            )
             log.info("bench result: %s baseline %s", name, res["baseline"])
         results["jobs"][name] = res
         _save(results, Path(args.out), args.name, dag_report)

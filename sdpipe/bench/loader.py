@@ -1,6 +1,6 @@
 """Time the training data loader alone: `loop.load_batch` (cache read, draws, pinned copy) for N batches.
 
-    python -m sdpipe.bench.loader TRAIN_CONFIG INDEX BATCHES   -> one JSON line on stdout
+python -m sdpipe.bench.loader TRAIN_CONFIG INDEX BATCHES   -> one JSON line on stdout
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ baseline's no further than twice as far as the fp32 run's do.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sdpipe.bench import baseline
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -28,9 +28,20 @@ WEIGHT_FACTOR = 2.0
 def _config(pretrained: str, lr: float):
     from sdpipe import config
 
-    return config.from_dict({"model": {"pretrained": pretrained}, "data": {"raw_dir": "unused"},
-                             "train": {"learning_rate": lr, "max_grad_norm": 1.0, "noise_offset": 0.0,
-                                       "snr_gamma": None, "input_perturbation": 0.0, "caption_dropout": 0.0}})
+    return config.from_dict(
+        {
+            "model": {"pretrained": pretrained},
+            "data": {"raw_dir": "unused"},
+            "train": {
+                "learning_rate": lr,
+                "max_grad_norm": 1.0,
+                "noise_offset": 0.0,
+                "snr_gamma": None,
+                "input_perturbation": 0.0,
+                "caption_dropout": 0.0,
+            },
+        }
+    )
 
 
 def _draws(preset: str, resolution: int, batch: int, steps: int, cfg: Config, device) -> list[dict]:
@@ -48,8 +59,14 @@ def _draws(preset: str, resolution: int, batch: int, steps: int, cfg: Config, de
 
 def _baseline_run(unet, cfg: Config, data, draws, scheduler, mixed: bool) -> list[float]:
     t = cfg.train
-    opt = torch.optim.AdamW(unet.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                            weight_decay=t.adam_weight_decay, eps=t.adam_epsilon, foreach=True)
+    opt = torch.optim.AdamW(
+        unet.parameters(),
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+        foreach=True,
+    )
     return [float(baseline.step(unet, opt, scheduler, data, d["noise"], d["timesteps"], mixed)) for d in draws]
 
 
@@ -62,8 +79,9 @@ def _sdpipe_run(unet, cfg: Config, data, draws, scheduler, device) -> list[float
     opt = build_optimizer(cfg, unet, [])
     losses = []
     for d in draws:
-        loss = objective.sample_losses(forward, scheduler, data["latents"], d, data, cfg.train, "epsilon",
-                                       lambda: baseline.autocast(device)).mean()
+        loss = objective.sample_losses(
+            forward, scheduler, data["latents"], d, data, cfg.train, "epsilon", lambda: baseline.autocast(device)
+        ).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.train.max_grad_norm)
         opt.step()
@@ -76,8 +94,9 @@ def _distance(a: dict, b: dict) -> float:
     return float(torch.sqrt(sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)))
 
 
-def check(preset: str, resolution: int, pretrained: str, device, batch: int = 4, steps: int = 3,
-          lr: float = 1e-4) -> dict:
+def check(
+    preset: str, resolution: int, pretrained: str, device, batch: int = 4, steps: int = 3, lr: float = 1e-4
+) -> dict:
     """Run the three trainings; return their losses, the deviations and the verdict."""
     from sdpipe.models import presets
 
@@ -96,8 +115,11 @@ def check(preset: str, resolution: int, pretrained: str, device, batch: int = 4,
         if name == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
-            runs[name] = (_sdpipe_run(model, cfg, data, draws, scheduler, device) if name == "sdpipe"
-                          else _baseline_run(model, cfg, data, draws, scheduler, mixed=name == "baseline"))
+            runs[name] = (
+                _sdpipe_run(model, cfg, data, draws, scheduler, device)
+                if name == "sdpipe"
+                else _baseline_run(model, cfg, data, draws, scheduler, mixed=name == "baseline")
+            )
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         weights[name] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -110,9 +132,17 @@ def verdict(runs: dict, weights: dict, start: dict, batch: int, steps: int, lr: 
     moved = _distance(weights["baseline"], start)
     dev = {name: _distance(weights[name], weights["baseline"]) / moved for name in ("sdpipe", "fp32")}
     ok = rel("sdpipe") <= LOSS_RTOL and dev["sdpipe"] <= WEIGHT_FACTOR * dev["fp32"]
-    return {"batch": batch, "steps": steps, "learning_rate": lr, "losses": runs,
-            "loss_max_rel_diff": {"sdpipe": rel("sdpipe"), "fp32": rel("fp32")},
-            "weight_deviation": dev, "loss_rtol": LOSS_RTOL, "weight_factor": WEIGHT_FACTOR, "passed": ok,
-            "rule": f"sdpipe loss within {LOSS_RTOL:g} relative of the baseline's at every step, and its weights "
-                    f"at most {WEIGHT_FACTOR:g}x as far from the baseline's as the fp32 run's (distances relative "
-                    "to how far the baseline moved)"}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "learning_rate": lr,
+        "losses": runs,
+        "loss_max_rel_diff": {"sdpipe": rel("sdpipe"), "fp32": rel("fp32")},
+        "weight_deviation": dev,
+        "loss_rtol": LOSS_RTOL,
+        "weight_factor": WEIGHT_FACTOR,
+        "passed": ok,
+        "rule": f"sdpipe loss within {LOSS_RTOL:g} relative of the baseline's at every step, and its weights "
+        f"at most {WEIGHT_FACTOR:g}x as far from the baseline's as the fp32 run's (distances relative "
+        "to how far the baseline moved)",
+    }

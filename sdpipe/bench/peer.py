@@ -37,14 +37,49 @@ def image_folder(project: Path, out: Path) -> Path:
 
 def command(script: Path, project: Path, job, data: Path, out: Path, steps: int) -> list[str]:
     lr = templates.settings(job.template)["train"]["learning_rate"]  # the job's, as sdpipe trains it
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-            "--mixed_precision", "bf16", "--dynamo_backend", "no", str(script),
-            "--pretrained_model_name_or_path", str(project / "models" / job.preset), "--train_data_dir", str(data),
-            "--resolution", str(job.resolution), "--center_crop", "--train_batch_size", str(job.batch),
-            "--max_train_steps", str(steps), "--learning_rate", str(lr), "--lr_scheduler", "constant",
-            "--lr_warmup_steps", "0", "--mixed_precision", "bf16", "--output_dir", str(out),
-            "--checkpointing_steps", "100000000", "--dataloader_num_workers", "8", "--seed", "0",
-            "--report_to", "tensorboard"]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        "--pretrained_model_name_or_path",
+        str(project / "models" / job.preset),
+        "--train_data_dir",
+        str(data),
+        "--resolution",
+        str(job.resolution),
+        "--center_crop",
+        "--train_batch_size",
+        str(job.batch),
+        "--max_train_steps",
+        str(steps),
+        "--learning_rate",
+        str(lr),
+        "--lr_scheduler",
+        "constant",
+        "--lr_warmup_steps",
+        "0",
+        "--mixed_precision",
+        "bf16",
+        "--output_dir",
+        str(out),
+        "--checkpointing_steps",
+        "100000000",
+        "--dataloader_num_workers",
+        "8",
+        "--seed",
+        "0",
+        "--report_to",
+        "tensorboard",
+    ]
 
 
 def stamped_steps(cmd: list[str], logfile: Path) -> tuple[float, list[tuple[int, float]]]:
@@ -71,10 +106,17 @@ def timings(wall: float, stamps: list[tuple[int, float]], batch: int, steps: int
     (s0, t0), (s1, t1) = min(half), max(half)
     per_step = (t1 - t0) / (s1 - s0)
     projected = first + (projected_steps - 1) * per_step + (wall - last)
-    return {"steps": steps, "batch": batch, "wall_s": round(wall, 3), "startup_s": round(first, 3),
-            "samples_per_s": round(batch / per_step, 3), "tail_s": round(wall - last, 3),
-            "projected_steps": projected_steps, "projected_s": round(projected if steps < projected_steps else wall, 3),
-            "projected": steps < projected_steps}
+    return {
+        "steps": steps,
+        "batch": batch,
+        "wall_s": round(wall, 3),
+        "startup_s": round(first, 3),
+        "samples_per_s": round(batch / per_step, 3),
+        "tail_s": round(wall - last, 3),
+        "projected_steps": projected_steps,
+        "projected_s": round(projected if steps < projected_steps else wall, 3),
+        "projected": steps < projected_steps,
+    }
 
 
 def run(script: Path, project: Path, job, work: Path, steps: int) -> dict:

@@ -33,8 +33,13 @@ def write_jpegs(out: Path, count: int, size: int, seed: int = 0) -> Path:
             return
         rng = np.random.default_rng(seed + i)
         yy, xx = np.mgrid[0:size, 0:size] / size
-        base = np.stack([rng.uniform(40, 215) + rng.uniform(-60, 60) * (xx * rng.uniform(-1, 1) + yy * rng.uniform(-1, 1))
-                         for _ in range(3)], axis=-1)
+        base = np.stack(
+            [
+                rng.uniform(40, 215) + rng.uniform(-60, 60) * (xx * rng.uniform(-1, 1) + yy * rng.uniform(-1, 1))
+                for _ in range(3)
+            ],
+            axis=-1,
+        )
         img = Image.fromarray(np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8))
         draw = ImageDraw.Draw(img)
         for _ in range(6):
@@ -50,9 +55,18 @@ def write_jpegs(out: Path, count: int, size: int, seed: int = 0) -> Path:
 
 
 def stage_config(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> Path:
-    cfg = {"cache_dir": str(work / f"cache-{name}"), "data": {"raw_dir": str(raw)}, "model": {"pretrained": str(model)},
-           "prepare": {"min_size": 32, "eval_fraction": 0.0, "buckets": {"resolution": resolution, "step": min(64, resolution // 4)}},
-           "caption": {"chain": ["template"], "gpus": 0}, "latents": latents}
+    cfg = {
+        "cache_dir": str(work / f"cache-{name}"),
+        "data": {"raw_dir": str(raw)},
+        "model": {"pretrained": str(model)},
+        "prepare": {
+            "min_size": 32,
+            "eval_fraction": 0.0,
+            "buckets": {"resolution": resolution, "step": min(64, resolution // 4)},
+        },
+        "caption": {"chain": ["template"], "gpus": 0},
+        "latents": latents,
+    }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -66,11 +80,25 @@ def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int
     manifest, captions = upstream / "manifest.jsonl", upstream / "captions.jsonl"
     common = ["--config", str(cfg), "--manifest", str(manifest)]
     if not captions.is_file():
-        sdpipe("prepare", *common, "--rejected", str(upstream / "rejected.jsonl"), "--summary",
-               str(upstream / "prepare.json"))
+        sdpipe(
+            "prepare",
+            *common,
+            "--rejected",
+            str(upstream / "rejected.jsonl"),
+            "--summary",
+            str(upstream / "prepare.json"),
+        )
         sdpipe("caption", *common, "--captions", str(captions), "--summary", str(upstream / "captions.json"))
-    sdpipe("latents", *common, "--captions", str(captions), "--index", str(out / "index.json"),
-           "--summary", str(out / "latents.json"))
+    sdpipe(
+        "latents",
+        *common,
+        "--captions",
+        str(captions),
+        "--index",
+        str(out / "index.json"),
+        "--summary",
+        str(out / "latents.json"),
+    )
     summary = json.loads((out / "latents.json").read_text())
     batch = max(summary["batch_sizes"].values(), default=None)  # one GPU in the bench
     return {**summary, "batch": batch, "index": str(out / "index.json"), "config": str(cfg)}
@@ -78,9 +106,20 @@ def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int
 
 def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict) -> Path:
     cfg = yaml.safe_load(Path(stage_cfg).read_text())
-    cfg["train"] = {"mode": "full", "mixed_precision": "bf16", "per_device_batch_size": batch, "max_steps": steps,
-                    "log_every": log_every, "lr_warmup_steps": 0, "checkpoint_every": 0, "save_final": False,
-                    "resume": None, "num_processes": 1, "validation": {"every": 0}, **extra}
+    cfg["train"] = {
+        "mode": "full",
+        "mixed_precision": "bf16",
+        "per_device_batch_size": batch,
+        "max_steps": steps,
+        "log_every": log_every,
+        "lr_warmup_steps": 0,
+        "checkpoint_every": 0,
+        "save_final": False,
+        "resume": None,
+        "num_processes": 1,
+        "validation": {"every": 0},
+        **extra,
+    }
     path = work / f"train-{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -93,18 +132,33 @@ def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_ev
     out = work / f"train-{name}"
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    sdpipe("train", "--config", str(cfg), "--index", cache["index"], "--out", str(out),
-           "--summary", str(out / "summary.json"))
+    sdpipe(
+        "train",
+        "--config",
+        str(cfg),
+        "--index",
+        cache["index"],
+        "--out",
+        str(out),
+        "--summary",
+        str(out / "summary.json"),
+    )
     wall = time.perf_counter() - start
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     steady, first, last = last_full_window(rows, log_every), rows[0], rows[-1]
     rate = float(steady["samples_per_s"])
     window = log_every * batch
-    return {"samples_per_s": rate, "warmup_s": window / float(first["samples_per_s"]) - window / rate,
-            "stage_wall_s": wall, "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"]
-            else None, "data_wait": float(steady["data_wait"]), "batch": batch, "final_loss": float(last["loss"]),
-            "cuda_alloc_retries": json.loads((out / "summary.json").read_text()).get("cuda_alloc_retries")}
+    return {
+        "samples_per_s": rate,
+        "warmup_s": window / float(first["samples_per_s"]) - window / rate,
+        "stage_wall_s": wall,
+        "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"] else None,
+        "data_wait": float(steady["data_wait"]),
+        "batch": batch,
+        "final_loss": float(last["loss"]),
+        "cuda_alloc_retries": json.loads((out / "summary.json").read_text()).get("cuda_alloc_retries"),
+    }
 
 
 def last_full_window(rows: list[dict], log_every: int) -> dict:
@@ -116,6 +170,10 @@ def last_full_window(rows: list[dict], log_every: int) -> dict:
 
 def loader_rate(train_cfg: Path, index: str, batches: int) -> dict:
     """Samples/s `loop.load_batch` delivers to the device (in a child process: it builds its own accelerator)."""
-    proc = subprocess.run([sys.executable, "-m", "sdpipe.bench.loader", str(train_cfg), index, str(batches)],
-                          check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdpipe.bench.loader", str(train_cfg), index, str(batches)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -49,14 +49,23 @@ def _step_lines(preset: str, run: dict) -> list[dict]:
     target = TARGETS.get(preset)
 
     def cell(r):
-        return (f"{r['samples_per_s']:.1f} samples/s at batch {r['batch']}, {_f(r.get('tflops'), '.0f')} TFLOP/s, "
-                f"{_f(r.get('mfu'), '.0%')} MFU, {_f(r.get('peak_memory_gib'), '.1f')} GiB")
+        return (
+            f"{r['samples_per_s']:.1f} samples/s at batch {r['batch']}, {_f(r.get('tflops'), '.0f')} TFLOP/s, "
+            f"{_f(r.get('mfu'), '.0%')} MFU, {_f(r.get('peak_memory_gib'), '.1f')} GiB"
+        )
 
     # report.write stored each row's ratio to its own call's best baseline
     ratio = f"{best['vs_baseline']:.2f}x the baseline" if best.get("vs_baseline") else "no baseline in this call"
-    return [{"what": f"{preset} training step", "sdpipe": cell(best) + f", {_f(best.get('warmup_s'), '.0f')} s warm-up",
-             "baseline": cell(base) if base else "-", "target": _f(target, "g"), "got": best["samples_per_s"],
-             "verdict": f"{_verdict(best['samples_per_s'], target)}: {ratio}"}]
+    return [
+        {
+            "what": f"{preset} training step",
+            "sdpipe": cell(best) + f", {_f(best.get('warmup_s'), '.0f')} s warm-up",
+            "baseline": cell(base) if base else "-",
+            "target": _f(target, "g"),
+            "got": best["samples_per_s"],
+            "verdict": f"{_verdict(best['samples_per_s'], target)}: {ratio}",
+        }
+    ]
 
 
 def _latent_lines(preset: str, run: dict) -> list[dict]:
@@ -74,11 +83,17 @@ def _latent_lines(preset: str, run: dict) -> list[dict]:
 
     batch = f", batch {ours['batch']}" if "batch" in ours else ""  # recorded since v10
     what = f"{preset} latent caching, {ours['encoded']} JPEGs at {res['resolution']} px{batch}, decode included"
-    return [{"what": what,
-             "sdpipe": cell(ours), "target": _f(target, "g"),
-             # With --skip latents a call still caches compiled, for its training rows: no eager run to compare.
-             "baseline": cell(eager) if eager and compiled else "none: the cache for this call's training rows",
-             "got": got, "verdict": _latent_verdict(got, target, ours["encoded"])}]
+    return [
+        {
+            "what": what,
+            "sdpipe": cell(ours),
+            "target": _f(target, "g"),
+            # With --skip latents a call still caches compiled, for its training rows: no eager run to compare.
+            "baseline": cell(eager) if eager and compiled else "none: the cache for this call's training rows",
+            "got": got,
+            "verdict": _latent_verdict(got, target, ours["encoded"]),
+        }
+    ]
 
 
 def _latent_verdict(got: float | None, target: float | None, images: int) -> str:
@@ -88,8 +103,10 @@ def _latent_verdict(got: float | None, target: float | None, images: int) -> str
 
 
 def _step_rate(preset: str, batch: int, run: dict) -> float | None:
-    return max((r["samples_per_s"] for r in run["presets"][preset]["rows"]
-                if r["kind"] == "sdpipe" and r["batch"] == batch), default=None)
+    return max(
+        (r["samples_per_s"] for r in run["presets"][preset]["rows"] if r["kind"] == "sdpipe" and r["batch"] == batch),
+        default=None,
+    )
 
 
 def _loader_lines(preset: str, run: dict, runs: list[dict]) -> list[dict]:
@@ -99,17 +116,31 @@ def _loader_lines(preset: str, run: dict, runs: list[dict]) -> list[dict]:
     batch, source = loader["batch"], run["stem"]
     step = _step_rate(preset, batch, run)
     if step is None:  # its own call trained nothing at this batch: the latest call that did
-        source, step = next(((r["stem"], s) for r in reversed(runs) if preset in r["presets"]
-                             for s in [_step_rate(preset, batch, r)] if s is not None), (None, None))
+        source, step = next(
+            (
+                (r["stem"], s)
+                for r in reversed(runs)
+                if preset in r["presets"]
+                for s in [_step_rate(preset, batch, r)]
+                if s is not None
+            ),
+            (None, None),
+        )
     ratio = loader["samples_per_s"] / step if step else None
     if step is None:
         against = f"no sdpipe train row at batch {batch} in any file"
     else:
         against = f"the step consumed {step:.1f}" + ("" if source == run["stem"] else f" ({source})")
-    return [{"what": f"{preset} training data loader, batch {batch}",
-             "sdpipe": f"{loader['samples_per_s']:.0f} samples/s", "baseline": against,
-             "target": f"{LOADER_FACTOR:g}x", "got": ratio,
-             "verdict": f"{_verdict(ratio, LOADER_FACTOR)}: {ratio:.0f}x" if ratio else "-"}]
+    return [
+        {
+            "what": f"{preset} training data loader, batch {batch}",
+            "sdpipe": f"{loader['samples_per_s']:.0f} samples/s",
+            "baseline": against,
+            "target": f"{LOADER_FACTOR:g}x",
+            "got": ratio,
+            "verdict": f"{_verdict(ratio, LOADER_FACTOR)}: {ratio:.0f}x" if ratio else "-",
+        }
+    ]
 
 
 def _parity_lines(preset: str, run: dict) -> list[dict]:
@@ -117,11 +148,17 @@ def _parity_lines(preset: str, run: dict) -> list[dict]:
     if not p:
         return []
     diff, dev = p["loss_max_rel_diff"], p["weight_deviation"]
-    return [{"what": f"{preset} parity, batch {p['batch']}, {p['steps']} steps",
-             "sdpipe": f"loss within {diff['sdpipe']:.1e} of the baseline's; weights {dev['sdpipe']:.3f} of an "
-                       f"update away",
-             "baseline": f"fp32 run: {diff['fp32']:.1e} and {dev['fp32']:.3f}", "target": "bf16 tolerance",
-             "got": p["passed"], "verdict": "passed" if p["passed"] else "FAILED"}]
+    return [
+        {
+            "what": f"{preset} parity, batch {p['batch']}, {p['steps']} steps",
+            "sdpipe": f"loss within {diff['sdpipe']:.1e} of the baseline's; weights {dev['sdpipe']:.3f} of an "
+            f"update away",
+            "baseline": f"fp32 run: {diff['fp32']:.1e} and {dev['fp32']:.3f}",
+            "target": "bf16 tolerance",
+            "got": p["passed"],
+            "verdict": "passed" if p["passed"] else "FAILED",
+        }
+    ]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -132,24 +169,40 @@ def summarize(runs: list[dict]) -> dict:
         for lines_of in kinds:
             for run in (r for r in runs if preset in r["presets"]):
                 lines += [{**line, "source": run["stem"]} for line in lines_of(preset, run)]
-    sources = [{"file": run["stem"], "date": run["meta"]["date"], "commit": run["meta"]["git_commit"],
-                "gpu": run["meta"]["gpu"], "packages": run["meta"]["packages"],
-                "peak_tflops": run["meta"]["peak_tflops"], "command": run["meta"]["command"]} for run in runs]
+    sources = [
+        {
+            "file": run["stem"],
+            "date": run["meta"]["date"],
+            "commit": run["meta"]["git_commit"],
+            "gpu": run["meta"]["gpu"],
+            "packages": run["meta"]["packages"],
+            "peak_tflops": run["meta"]["peak_tflops"],
+            "command": run["meta"]["command"],
+        }
+        for run in runs
+    ]
     return {"lines": lines, "sources": sources}
 
 
 def markdown(summary: dict) -> str:
     out = ["| what (per GPU) | sdpipe | compared with | target | | from |", "|---|---|---|---|---|---|"]
     for line in summary["lines"]:
-        out.append(f"| {line['what']} | {line['sdpipe']} | {line['baseline']} | {line['target']} "
-                   f"| {line['verdict']} | {line['source']} |")
-    out += ["", "| from | date (UTC) | commit | GPU (driver) | torch | diffusers | bf16 matmul peak | command |",
-            "|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {line['what']} | {line['sdpipe']} | {line['baseline']} | {line['target']} "
+            f"| {line['verdict']} | {line['source']} |"
+        )
+    out += [
+        "",
+        "| from | date (UTC) | commit | GPU (driver) | torch | diffusers | bf16 matmul peak | command |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary["sources"]:
         command = _measuring_flags(s["command"])
-        out.append(f"| {s['file']} | {s['date'][:16].replace('T', ' ')} | {s['commit']} "
-                   f"| {s['gpu']['name'] or 'CPU'} ({s['gpu']['driver']}) | {s['packages']['torch']} "
-                   f"| {s['packages']['diffusers']} | {_f(s['peak_tflops'], '.0f')} TFLOP/s | `bench {command}` |")
+        out.append(
+            f"| {s['file']} | {s['date'][:16].replace('T', ' ')} | {s['commit']} "
+            f"| {s['gpu']['name'] or 'CPU'} ({s['gpu']['driver']}) | {s['packages']['torch']} "
+            f"| {s['packages']['diffusers']} | {_f(s['peak_tflops'], '.0f')} TFLOP/s | `bench {command}` |"
+        )
     return "\n".join(out) + "\n"
 
 

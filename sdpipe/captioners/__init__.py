@@ -14,12 +14,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from sdpipe import io
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -60,6 +58,7 @@ def one_line(exc: BaseException) -> str:
 
 # --- the cache: one small JSON file per key, in 256 sharded folders so no folder grows huge -------------------
 
+
 def cache_file(root: str | Path, key: str) -> Path:
     return Path(root) / key[:2] / f"{key}.json"
 
@@ -80,8 +79,17 @@ def write_cache(root: str | Path, key: str, source: str, caption: str | None) ->
 
 # --- the worker: one process per device (run by sdpipe.parallel.run_sharded) ----------------------------------
 
-def caption_worker(device: str, jobs: list[dict], report: Callable[[int], None], *, spec: ModelSpec,
-                   cache_root: str, batch_size: int, pixels: dict) -> list[dict]:
+
+def caption_worker(
+    device: str,
+    jobs: list[dict],
+    report: Callable[[int], None],
+    *,
+    spec: ModelSpec,
+    cache_root: str,
+    batch_size: int,
+    pixels: dict,
+) -> list[dict]:
     """Caption jobs ({"key", "file", "id"}) in batches; return {"key", "caption", "error"} for each, in order.
 
     `pixels` holds load_checked's background and max_pixels, so a model sees what prepare validated.
@@ -89,7 +97,7 @@ def caption_worker(device: str, jobs: list[dict], report: Callable[[int], None],
     model = _load(spec, device)
     results: list[dict] = []
     for start in range(0, len(jobs), batch_size):
-        batch = jobs[start:start + batch_size]
+        batch = jobs[start : start + batch_size]
         results += _caption_batch(model, spec.source, batch, cache_root, pixels)
         report(len(batch))
     return results
@@ -130,4 +138,3 @@ def _run_model(model: CaptionFn, images: list) -> list[tuple[str | None, str | N
         if len(images) == 1:
             return [(None, one_line(exc))]
     return [pair for image in images for pair in _run_model(model, [image])]
-

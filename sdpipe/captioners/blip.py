@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import weights
 from sdpipe.captioners import CaptionFn, ModelSpec
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -31,8 +30,10 @@ def _check_folder(name: str, local: Path) -> None:
     except (OSError, ValueError):
         model_type = None
     if model_type != "blip":
-        raise UserError(f"caption.blip.model = {name!r} is a {model_type or 'unknown'} model, not BLIP; "
-                        "use a BLIP captioning model such as Salesforce/blip-image-captioning-base")
+        raise UserError(
+            f"caption.blip.model = {name!r} is a {model_type or 'unknown'} model, not BLIP; "
+            "use a BLIP captioning model such as Salesforce/blip-image-captioning-base"
+        )
 
 
 def describe(cfg: Config, memo_file) -> ModelSpec:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import hashing, weights
 from sdpipe.captioners import CaptionFn, ModelSpec
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -54,8 +53,10 @@ def register(c) -> str | None:
     if not isinstance(data, dict) or not all(k in data for k in ("embed_dim", "vision_cfg", "text_cfg")):
         raise UserError(f"{KEY}.model_config: {path} needs embed_dim, vision_cfg and text_cfg (an open_clip config)")
     if path.stem != c.model:
-        raise UserError(f"{KEY}.model_config {path.name} defines the architecture {path.stem!r} (open_clip names it "
-                        f"after the file) but {KEY}.model is {c.model!r}; make them match")
+        raise UserError(
+            f"{KEY}.model_config {path.name} defines the architecture {path.stem!r} (open_clip names it "
+            f"after the file) but {KEY}.model is {c.model!r}; make them match"
+        )
     open_clip.add_model_config(path)
     return hashing.sha256_file(path)
 
@@ -94,14 +95,22 @@ def _checkpoint(model: str, pretrained: str) -> tuple[Path, dict]:
         if weights.is_local(pretrained):
             raise UserError(f"{KEY}.pretrained: checkpoint file {pretrained} does not exist")
         known = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
-        raise UserError(f"{KEY}.pretrained = {pretrained!r} is neither a checkpoint file nor a pretrained tag of "
-                        f"{model} (known tags: {known})")
+        raise UserError(
+            f"{KEY}.pretrained = {pretrained!r} is neither a checkpoint file nor a pretrained tag of "
+            f"{model} (known tags: {known})"
+        )
     found, how = cached_tag_file(tag)
     if found is None:
-        raise UserError(f"open_clip weights {model}/{pretrained} are not in the local cache; {how} "
-                        f"(or set {KEY}.pretrained to a local checkpoint file)")
-    names = {"mean": "image_mean", "std": "image_std", "interpolation": "image_interpolation",
-             "resize_mode": "image_resize_mode"}
+        raise UserError(
+            f"open_clip weights {model}/{pretrained} are not in the local cache; {how} "
+            f"(or set {KEY}.pretrained to a local checkpoint file)"
+        )
+    names = {
+        "mean": "image_mean",
+        "std": "image_std",
+        "interpolation": "image_interpolation",
+        "resize_mode": "image_resize_mode",
+    }
     return found, {arg: (list(tag[k]) if isinstance(tag[k], tuple) else tag[k]) for k, arg in names.items() if k in tag}
 
 
@@ -117,8 +126,10 @@ def locate(c) -> tuple[str, Path, dict, str | None]:
             raise UserError(f"{KEY}.model = {c.model!r}: no open_clip_config.json in {folder}")
         return f"local-dir:{folder}", folder, {}, hashing.sha256_file(config)
     if open_clip.get_model_config(c.model) is None:
-        raise UserError(f"{KEY}.model = {c.model!r} is not an open_clip architecture; pick one of "
-                        f"open_clip.list_models() or set {KEY}.model_config to a JSON file named {c.model}.json")
+        raise UserError(
+            f"{KEY}.model = {c.model!r} is not an open_clip architecture; pick one of "
+            f"open_clip.list_models() or set {KEY}.model_config to a JSON file named {c.model}.json"
+        )
     checkpoint, preprocess = _checkpoint(c.model, c.pretrained)
     return c.model, checkpoint, preprocess, None
 
@@ -134,9 +145,12 @@ def describe(cfg: Config, memo_file) -> ModelSpec:
     weights_sha256 = memo.file_hash(local) if local.is_file() else memo.tree_hash(local)
     params = dataclasses.asdict(c)
     # File paths stay out of the key (the hashes stand for their content); the tag's preprocessing goes in.
-    key_params = {"model": arch if folder_config_sha256 is None else "local-dir",
-                  "config_sha256": config_sha256 or folder_config_sha256, "preprocess": preprocess,
-                  **{k: params[k] for k in ("vocabulary", "top_k", "min_probability", "prompt")}}
+    key_params = {
+        "model": arch if folder_config_sha256 is None else "local-dir",
+        "config_sha256": config_sha256 or folder_config_sha256,
+        "preprocess": preprocess,
+        **{k: params[k] for k in ("vocabulary", "top_k", "min_probability", "prompt")},
+    }
     load_args = {**params, "arch": arch, "preprocess": preprocess}
     provenance = {"source": "clip_tags", "model": c.model, "weights_sha256": weights_sha256, "params": params}
     if folder_config_sha256 is None:
@@ -154,7 +168,8 @@ def load(spec: ModelSpec, device: str) -> CaptionFn:
         open_clip.add_model_config(Path(a["model_config"]).expanduser())
     from_folder = a["arch"].startswith("local-dir:")
     model, _, preprocess = open_clip.create_model_and_transforms(
-        a["arch"], pretrained=None if from_folder else spec.local, device=device, **a["preprocess"])
+        a["arch"], pretrained=None if from_folder else spec.local, device=device, **a["preprocess"]
+    )
     model.eval()
     tokenizer = open_clip.get_tokenizer(a["arch"])
     with torch.inference_mode():

@@ -56,8 +56,10 @@ def from_sidecar(row: dict) -> Proposal | None:
 
 def from_template(template: str, row: dict) -> Proposal | None:
     """Fill the template; None when a field it uses is empty (a top-level image has no folder, "0001" no stem)."""
-    values = {"folder": " ".join((row.get("folder") or "").split()),
-              "stem": clean_stem(PurePosixPath(row["path"]).stem)}
+    values = {
+        "folder": " ".join((row.get("folder") or "").split()),
+        "stem": clean_stem(PurePosixPath(row["path"]).stem),
+    }
     used = {name: values[name] for name in template_fields(template)}
     if any(not value for value in used.values()):
         return None

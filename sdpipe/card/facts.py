@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -64,15 +63,28 @@ def gather(cfg: Config, inputs: dict[str, Path]) -> dict:
     metrics = required(inputs["metrics"], "evaluate")
     t = cfg.train
     facts = {
-        "name": cfg.export.name, "base": cfg.model.pretrained, "base_hub_id": hub_id(cfg.model.pretrained),
+        "name": cfg.export.name,
+        "base": cfg.model.pretrained,
+        "base_hub_id": hub_id(cfg.model.pretrained),
         "license": KNOWN_LICENSES.get(cfg.model.pretrained, "other"),
         "family": FAMILIES.get(export.get("base_model_version"), export.get("family", "unknown")),
-        "components": export["components"], "lora": "lora" in export["components"].values(),
-        "lora_settings": vars(t.lora), "text_encoder": t.text_encoder.mode, "export_dtype": export["dtype"],
-        "formats": export["formats"], "train": required(inputs["train_summary"], "train"),
-        "settings": {"learning_rate": t.learning_rate, "lr_scheduler": t.lr_scheduler, "resolution":
-                     cfg.prepare.buckets.resolution, "mixed_precision": t.mixed_precision, "ema": t.ema.enabled,
-                     "seed": cfg.seed, "snr_gamma": t.snr_gamma, "caption_dropout": t.caption_dropout},
+        "components": export["components"],
+        "lora": "lora" in export["components"].values(),
+        "lora_settings": vars(t.lora),
+        "text_encoder": t.text_encoder.mode,
+        "export_dtype": export["dtype"],
+        "formats": export["formats"],
+        "train": required(inputs["train_summary"], "train"),
+        "settings": {
+            "learning_rate": t.learning_rate,
+            "lr_scheduler": t.lr_scheduler,
+            "resolution": cfg.prepare.buckets.resolution,
+            "mixed_precision": t.mixed_precision,
+            "ema": t.ema.enabled,
+            "seed": cfg.seed,
+            "snr_gamma": t.snr_gamma,
+            "caption_dropout": t.caption_dropout,
+        },
         "data": required(inputs["prepare"], "prepare"),
         "dreambooth": vars(cfg.dreambooth) if cfg.dreambooth.enabled else None,
         "instance_prompt": instance_prompt(inputs["manifest"], inputs["captions"]) if cfg.dreambooth.enabled else None,

@@ -13,8 +13,12 @@ FAMILY_TAGS = {"Stable Diffusion XL": "stable-diffusion-xl"}
 
 
 def tags(facts: dict) -> list[str]:
-    found = [FAMILY_TAGS.get(facts["family"], "stable-diffusion"), "stable-diffusion-diffusers", "text-to-image",
-             "diffusers"]
+    found = [
+        FAMILY_TAGS.get(facts["family"], "stable-diffusion"),
+        "stable-diffusion-diffusers",
+        "text-to-image",
+        "diffusers",
+    ]
     if facts["lora"]:
         found.append("lora")
     if facts["dreambooth"]:

@@ -24,6 +24,7 @@ KEY = "evaluate.clip_score"
 @dataclass(frozen=True)
 class ClipSettings:
     """evaluate.clip_score; any object with these attributes (the config's section) does as well."""
+
     model: str = "ViT-B-32"
     pretrained: str = "laion2b_s34b_b79k"
     model_config: str | None = None
@@ -52,14 +53,18 @@ def _missing(c) -> str | None:
     if kind == "local-dir" or Path(c.pretrained).expanduser().is_file():
         return None
     if weights.is_local(c.pretrained):
-        return (f"{KEY}.pretrained: checkpoint file {c.pretrained} does not exist; copy the checkpoint there or set "
-                f"{KEY}.pretrained to an open_clip pretrained tag")
+        return (
+            f"{KEY}.pretrained: checkpoint file {c.pretrained} does not exist; copy the checkpoint there or set "
+            f"{KEY}.pretrained to an open_clip pretrained tag"
+        )
     tag = open_clip.get_pretrained_cfg(c.model, c.pretrained)
     found, how = clip_tags.cached_tag_file(tag) if tag else (True, "")
     if found:
         return None
-    return (f"open_clip weights {c.model}/{c.pretrained} are not in the local cache; {how}, or run `sdpipe "
-            f"fetch-weights` there (then copy the cache here), or set {KEY}.pretrained to a local checkpoint file")
+    return (
+        f"open_clip weights {c.model}/{c.pretrained} are not in the local cache; {how}, or run `sdpipe "
+        f"fetch-weights` there (then copy the cache here), or set {KEY}.pretrained to a local checkpoint file"
+    )
 
 
 def locate(c) -> tuple[dict | None, str | None]:
@@ -76,8 +81,12 @@ def locate(c) -> tuple[dict | None, str | None]:
     arch, local, preprocess, _ = _keyed(clip_tags.locate, c)
     # A checkpoint loaded by path loses its tag's activation; tags trained with QuickGELU (e.g. openai) need it back.
     tag = {} if arch.startswith("local-dir:") else open_clip.get_pretrained_cfg(c.model, c.pretrained)
-    return {"arch": arch, "weights": str(local), "preprocess": preprocess,
-            "quick_gelu": bool(tag.get("quick_gelu"))}, None
+    return {
+        "arch": arch,
+        "weights": str(local),
+        "preprocess": preprocess,
+        "quick_gelu": bool(tag.get("quick_gelu")),
+    }, None
 
 
 def load(found: dict, device: str = "cpu") -> Callable[[list, list], list[float]]:
@@ -88,8 +97,12 @@ def load(found: dict, device: str = "cpu") -> Callable[[list, list], list[float]
 
     from_folder = found["arch"].startswith("local-dir:")
     model, _, preprocess = open_clip.create_model_and_transforms(
-        found["arch"], pretrained=None if from_folder else found["weights"], device=device,
-        force_quick_gelu=found["quick_gelu"], **found["preprocess"])
+        found["arch"],
+        pretrained=None if from_folder else found["weights"],
+        device=device,
+        force_quick_gelu=found["quick_gelu"],
+        **found["preprocess"],
+    )
     model.eval()
     tokenizer = open_clip.get_tokenizer(found["arch"])  # truncates prompts to the context length, as torchmetrics
 
@@ -103,8 +116,7 @@ def load(found: dict, device: str = "cpu") -> Callable[[list, list], list[float]
     return scores
 
 
-def clip_score(images: list, prompts: list[str], c=ClipSettings(), device: str = "cpu",
-               batch_size: int = 32) -> dict:
+def clip_score(images: list, prompts: list[str], c=ClipSettings(), device: str = "cpu", batch_size: int = 32) -> dict:
     """The mean CLIP score of each image against its own prompt; null with the reason when the weights are missing."""
     if len(images) != len(prompts) or not images:
         raise ValueError(f"need one prompt per image and at least one image, got {len(images)} and {len(prompts)}")
@@ -113,6 +125,9 @@ def clip_score(images: list, prompts: list[str], c=ClipSettings(), device: str =
     if found is None:
         return unavailable(reason, **details)
     score = load(found, device)
-    values = [v for start in range(0, len(images), batch_size)
-              for v in score(images[start:start + batch_size], prompts[start:start + batch_size])]
+    values = [
+        v
+        for start in range(0, len(images), batch_size)
+        for v in score(images[start : start + batch_size], prompts[start : start + batch_size])
+    ]
     return measured(sum(values) / len(values), **details, weights=found["weights"])

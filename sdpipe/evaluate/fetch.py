@@ -13,8 +13,10 @@ from sdpipe.evaluate import clip_score, fid
 
 
 def _failed(what: str, source: str, exc: BaseException, instead: str) -> UserError:
-    return UserError(f"could not download {what} from {source} ({one_line(exc)}); this machine seems to have no "
-                     f"internet: run `sdpipe fetch-weights` on one that has, then {instead}")
+    return UserError(
+        f"could not download {what} from {source} ({one_line(exc)}); this machine seems to have no "
+        f"internet: run `sdpipe fetch-weights` on one that has, then {instead}"
+    )
 
 
 def fetch_inception(configured: str | None = None) -> str:
@@ -34,8 +36,9 @@ def fetch_inception(configured: str | None = None) -> str:
     return f"FID InceptionV3 weights: {target} (downloaded)"
 
 
-def fetch_clip(c=clip_score.ClipSettings()) -> str:
+def fetch_clip(c: clip_score.ClipSettings | None = None) -> str:
     """Fetch the CLIP score model's weights (a no-op when present); returns a line saying where they are."""
+    c = c or clip_score.ClipSettings()
     import open_clip
     from huggingface_hub import snapshot_download
 
@@ -45,22 +48,28 @@ def fetch_clip(c=clip_score.ClipSettings()) -> str:
         return f"{what}: {found['weights']} (already here)"
     kind, _, ident = c.model.partition(":")
     if kind != "hf-hub" and not open_clip.get_pretrained_cfg(c.model, c.pretrained):
-        raise UserError(f"{clip_score.KEY}.pretrained = {c.pretrained} is a local file that does not exist; there "
-                        f"is nothing to download: copy the checkpoint there")
+        raise UserError(
+            f"{clip_score.KEY}.pretrained = {c.pretrained} is a local file that does not exist; there "
+            f"is nothing to download: copy the checkpoint there"
+        )
     try:
         if kind == "hf-hub":
             snapshot_download(ident)
         else:
             open_clip.download_pretrained(open_clip.get_pretrained_cfg(c.model, c.pretrained))
     except Exception as exc:  # hub, HTTP and offline-mode errors share no base class
-        raise _failed(what, "the Hugging Face Hub", exc,
-                      "copy its Hugging Face cache (~/.cache/huggingface/hub) or ~/.cache/clip here") from None
+        raise _failed(
+            what,
+            "the Hugging Face Hub",
+            exc,
+            "copy its Hugging Face cache (~/.cache/huggingface/hub) or ~/.cache/clip here",
+        ) from None
     found, reason = clip_score.locate(c)
     if found is None:  # the download landed somewhere the offline lookup does not read
         raise UserError(f"{what} downloaded, but the offline lookup still misses them: {reason}")
     return f"{what}: {found['weights']} (downloaded)"
 
 
-def fetch_weights(inception_weights: str | None = None, clip=clip_score.ClipSettings()) -> list[str]:
+def fetch_weights(inception_weights: str | None = None, clip: clip_score.ClipSettings | None = None) -> list[str]:
     """Fetch everything the evaluate metrics need; one line per weight set, saying where it is."""
     return [fetch_inception(inception_weights), fetch_clip(clip)]

@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from sdpipe.evaluate import measured, unavailable
 from sdpipe.errors import UserError
+from sdpipe.evaluate import measured, unavailable
 
 INCEPTION_KEY = "evaluate.fid.inception_weights"
 REFERENCE_KEY = "evaluate.fid.reference_stats"
@@ -30,6 +30,7 @@ FeatureFn = Callable  # uint8 tensor (N, 3, H, W) -> float tensor (N, d)
 
 
 # --- the maths -------------------------------------------------------------------------------------------------------
+
 
 def feature_stats(features) -> tuple[np.ndarray, np.ndarray]:
     """(mean, covariance) of (n, d) features in float64; the covariance is unbiased (ddof=1), as everywhere."""
@@ -86,18 +87,23 @@ def check_fid_split(n_real: int | None, n_fake: int, dims: int = INCEPTION_DIMS)
     few = {name: n for name, n in counts.items() if n < 2}
     if few:
         have = ", ".join(f"{n} {name}" for name, n in few.items())
-        raise UserError(f"FID needs at least 2 images on each side (the covariance of one image is undefined) but "
-                        f"there are {have}; raise prepare.eval_fraction so prepare holds out more real images, or set "
-                        f"{REFERENCE_KEY} to a .npz with mu and sigma; a full-rank covariance of {dims}-d features "
-                        f"needs more than {dims} images")
+        raise UserError(
+            f"FID needs at least 2 images on each side (the covariance of one image is undefined) but "
+            f"there are {have}; raise prepare.eval_fraction so prepare holds out more real images, or set "
+            f"{REFERENCE_KEY} to a .npz with mu and sigma; a full-rank covariance of {dims}-d features "
+            f"needs more than {dims} images"
+        )
     n = min(counts.values())
     if n > dims:
         return None
-    return (f"FID from {n} images: a covariance of {dims}-d features needs more than {dims} images to be full rank, "
-            f"so this value is biased upward and only comparable with runs of the same size, not published FIDs")
+    return (
+        f"FID from {n} images: a covariance of {dims}-d features needs more than {dims} images to be full rank, "
+        f"so this value is biased upward and only comparable with runs of the same size, not published FIDs"
+    )
 
 
 # --- the weights -----------------------------------------------------------------------------------------------------
+
 
 def inception_paths(configured: str | None = None) -> list[Path]:
     """Where the weights are looked for: the configured file alone, else torch hub's checkpoint folder
@@ -116,9 +122,11 @@ def find_inception(configured: str | None = None) -> tuple[Path | None, str | No
     found = next((p for p in paths if p.is_file()), None)
     if found:
         return found, None
-    return None, (f"the FID InceptionV3 weights are not on this machine (looked for {' and '.join(map(str, paths))}); "
-                  f"run `sdpipe fetch-weights` on a machine with internet and copy {paths[0].name} to {paths[0]}, "
-                  f"or set {INCEPTION_KEY} to the file")
+    return None, (
+        f"the FID InceptionV3 weights are not on this machine (looked for {' and '.join(map(str, paths))}); "
+        f"run `sdpipe fetch-weights` on a machine with internet and copy {paths[0].name} to {paths[0]}, "
+        f"or set {INCEPTION_KEY} to the file"
+    )
 
 
 def load_inception(path: str | Path, device: str = "cpu") -> FeatureFn:
@@ -129,17 +137,20 @@ def load_inception(path: str | Path, device: str = "cpu") -> FeatureFn:
 
     plain_data.check(path, "the FID weights")  # torch-fidelity unpickles it with weights_only=False
     try:
-        net = FeatureExtractorInceptionV3("inception-v3-compat", [str(INCEPTION_DIMS)],
-                                          feature_extractor_weights_path=str(path))
+        net = FeatureExtractorInceptionV3(
+            "inception-v3-compat", [str(INCEPTION_DIMS)], feature_extractor_weights_path=str(path)
+        )
     except Exception as exc:  # a truncated download or another network's weights: unpickling or key errors
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{path} is not the FID InceptionV3 weights file ({first}); delete it and run "
-                        f"`sdpipe fetch-weights` again") from None
+        raise UserError(
+            f"{path} is not the FID InceptionV3 weights file ({first}); delete it and run `sdpipe fetch-weights` again"
+        ) from None
     net.to(device)
     return lambda batch: net(batch)[0]  # batches arrive on `device` (extract_features); [0]: the one layer asked for
 
 
 # --- from images -----------------------------------------------------------------------------------------------------
+
 
 def _uint8(image):
     import torch
@@ -160,7 +171,7 @@ def extract_features(images: list, feature_fn: FeatureFn, batch_size: int = 32, 
     for _, same_size in itertools.groupby(order, key=lambda i: images[i].size):
         same_size = list(same_size)
         for start in range(0, len(same_size), batch_size):
-            batch = torch.stack([_uint8(images[i]) for i in same_size[start:start + batch_size]]).to(device)
+            batch = torch.stack([_uint8(images[i]) for i in same_size[start : start + batch_size]]).to(device)
             with torch.inference_mode():
                 out.append(feature_fn(batch).to(torch.float64).cpu())
     return torch.cat(out).numpy()
@@ -185,29 +196,35 @@ def fid_from_features(fake: np.ndarray, mu_real, sigma_real, n_real: int | None)
     """The FID result from generated features and the real side's statistics."""
     dims = fake.shape[1]
     if len(mu_real) != dims:
-        raise UserError(f"the reference statistics are {len(mu_real)}-d but the features are {dims}-d: they were made "
-                        f"with another network or layer; use the {INCEPTION_DIMS}-d InceptionV3 pool3 statistics")
+        raise UserError(
+            f"the reference statistics are {len(mu_real)}-d but the features are {dims}-d: they were made "
+            f"with another network or layer; use the {INCEPTION_DIMS}-d InceptionV3 pool3 statistics"
+        )
     note = check_fid_split(n_real, len(fake), dims)
     value = frechet_distance(*feature_stats(fake), mu_real, sigma_real)
     return measured(value, n_real=n_real, n_fake=len(fake), dims=dims, note=note)
 
 
-def fid_from_images(fake: list, real: list, feature_fn: FeatureFn, batch_size: int = 32,
-                    device: str = "cpu") -> dict:
+def fid_from_images(fake: list, real: list, feature_fn: FeatureFn, batch_size: int = 32, device: str = "cpu") -> dict:
     check_fid_split(len(real), len(fake))
     real_features = extract_features(real, feature_fn, batch_size, device)
     fake_features = extract_features(fake, feature_fn, batch_size, device)
     return fid_from_features(fake_features, *feature_stats(real_features), n_real=len(real))
 
 
-def fid(fake: list, real: list | None = None, reference_stats: str | None = None,
-        inception_weights: str | None = None, batch_size: int = 32, device: str = "cpu") -> dict:
+def fid(
+    fake: list,
+    real: list | None = None,
+    reference_stats: str | None = None,
+    inception_weights: str | None = None,
+    batch_size: int = 32,
+    device: str = "cpu",
+) -> dict:
     """FID with the standard InceptionV3 against the real images, or against reference_stats when it is set."""
     reference = load_reference_stats(reference_stats) if reference_stats else None
     n_real = None if reference else len(real or [])
     check_fid_split(n_real, len(fake))
-    details = {"reference": str(reference_stats) if reference else "eval split", "n_real": n_real,
-               "n_fake": len(fake)}
+    details = {"reference": str(reference_stats) if reference else "eval split", "n_real": n_real, "n_fake": len(fake)}
     path, reason = find_inception(inception_weights)
     if path is None:
         return unavailable(reason, **details)

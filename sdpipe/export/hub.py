@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -26,8 +25,10 @@ def token(cfg: Config) -> str:
     name = cfg.export.hub.token_env
     value = os.environ.get(name, "").strip()
     if not value:
-        raise UserError(f"{KEY}.token_env: the environment variable {name} is not set; export a Hugging Face write "
-                        f"token as {name} (https://huggingface.co/settings/tokens) before `sdpipe publish`")
+        raise UserError(
+            f"{KEY}.token_env: the environment variable {name} is not set; export a Hugging Face write "
+            f"token as {name} (https://huggingface.co/settings/tokens) before `sdpipe publish`"
+        )
     return value
 
 
@@ -64,9 +65,11 @@ def upload(cfg: Config, folder: str | Path, card: str | Path | None = None) -> s
     try:
         api.create_repo(hub.repo_id, private=hub.private, exist_ok=True)
         with tempfile.TemporaryDirectory() as stage:
-            info = api.upload_folder(repo_id=hub.repo_id, folder_path=str(staged(folder, card and Path(card),
-                                                                                   Path(stage))),
-                                     commit_message=f"sdpipe publish {folder.name}")
+            info = api.upload_folder(
+                repo_id=hub.repo_id,
+                folder_path=str(staged(folder, card and Path(card), Path(stage))),
+                commit_message=f"sdpipe publish {folder.name}",
+            )
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
         hint = f" (is the token in {hub.token_env} a write token for {hub.repo_id}?)" if status in (401, 403) else ""

@@ -45,8 +45,10 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
         raise UserError(f"{path} holds no tensors: not a LoRA")
     odd = [k for k in state if not (k.split(".")[0] in COMPONENTS and k.endswith((_DOWN, _UP)))]
     if odd:
-        raise UserError(f"{path} is not a diffusers LoRA of UNet/text encoders (unexpected tensor {odd[0]}); "
-                        "DoRA and LoRA biases are not exported")
+        raise UserError(
+            f"{path} is not a diffusers LoRA of UNet/text encoders (unexpected tensor {odd[0]}); "
+            "DoRA and LoRA biases are not exported"
+        )
     configs: dict[str, dict] = {}
     for key, value in json.loads(meta.get("lora_adapter_metadata", "{}")).items():
         component, _, field = key.partition(".")
@@ -90,8 +92,10 @@ def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict
     modules = lora_modules(state)
     unconfigured = sorted({c for c, _ in modules} - configs.keys())
     if unconfigured:
-        log.warning("no adapter metadata for %s in the LoRA: exporting alpha = rank (scale 1), as diffusers loads it",
-                    ", ".join(unconfigured))
+        log.warning(
+            "no adapter metadata for %s in the LoRA: exporting alpha = rank (scale 1), as diffusers loads it",
+            ", ".join(unconfigured),
+        )
     kohya = {}
     for (component, module), (down, up) in modules.items():
         name = kohya_name(component, module, family)
@@ -108,16 +112,19 @@ def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
     for component in sorted({c for c, _ in modules}):
         if not (root / component).is_dir():
             raise UserError(f"{fail}: it adapts {component}, which the base model does not have")
-        layers.update({(component, n.removeprefix("text_model.")): m
-                       for n, m in meta_model(root, component).named_modules()})
+        layers.update(
+            {(component, n.removeprefix("text_model.")): m for n, m in meta_model(root, component).named_modules()}
+        )
     for (component, module), (down, up) in modules.items():
         layer = layers.get((component, module.removeprefix("text_model.")))
         if not isinstance(getattr(layer, "weight", None), torch.Tensor):
             raise UserError(f"{fail}: its {component} has no layer {module}")
         want, got = tuple(layer.weight.shape[:2]), (up.shape[0], down.shape[1])  # (out, in) features/channels
         if want != got:
-            raise UserError(f"{fail}: {component} layer {module} maps {want[1]}->{want[0]} features in the base "
-                            f"model but {got[1]}->{got[0]} in the LoRA")
+            raise UserError(
+                f"{fail}: {component} layer {module} maps {want[1]}->{want[0]} features in the base "
+                f"model but {got[1]}->{got[0]} in the LoRA"
+            )
 
 
 def check_lora_matches(lora: str | Path, base_model: str | Path) -> None:

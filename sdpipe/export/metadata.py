@@ -8,10 +8,9 @@ date or time is written: the same training gives the same file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -47,8 +46,8 @@ def file_metadata(cfg: Config, info: dict, model: Path, adapter: dict | None = N
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": arch + ("/lora" if lora else ""),
         "modelspec.implementation": implementation,
-        "modelspec.title": name or f"{Path(cfg.model.pretrained).name} "
-                                   f"{'LoRA' if lora else cfg.train.mode + ' fine-tune'}",
+        "modelspec.title": name
+        or f"{Path(cfg.model.pretrained).name} {'LoRA' if lora else cfg.train.mode + ' fine-tune'}",
         "modelspec.resolution": f"{res}x{res}",
         "modelspec.prediction_type": prediction,
         "ss_base_model_version": version,
@@ -64,8 +63,11 @@ def file_metadata(cfg: Config, info: dict, model: Path, adapter: dict | None = N
     }
     if lora:
         rank = adapter.get("r", cfg.train.lora.rank)
-        meta |= {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
-                 "ss_network_alpha": str(adapter.get("lora_alpha", rank))}
+        meta |= {
+            "ss_network_module": "networks.lora",
+            "ss_network_dim": str(rank),
+            "ss_network_alpha": str(adapter.get("lora_alpha", rank)),
+        }
     return meta
 
 

@@ -13,7 +13,6 @@ Light on purpose (no torch): the Snakefile and `sdpipe check-config` import it. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,19 +38,25 @@ class ExportFiles:
 
     def files(self) -> dict[str, str]:
         """Format name (as in the export summary) -> path, for the formats this run writes."""
-        found = {"diffusers": self.diffusers, "single_file": self.single_file, "lora": self.lora_file,
-                 "lora_kohya": self.lora_kohya}
+        found = {
+            "diffusers": self.diffusers,
+            "single_file": self.single_file,
+            "lora": self.lora_file,
+            "lora_kohya": self.lora_kohya,
+        }
         return {k: v for k, v in found.items() if v}
 
 
 def export_files(name: str | None, single_file: bool, lora: bool) -> ExportFiles:
     """The files an export writes: `name` is export.name, `lora` whether the run trains a LoRA (UNet or text
     encoder)."""
-    return ExportFiles(diffusers="diffusers",
-                       single_file=f"{name or 'model'}.safetensors" if single_file else None,
-                       lora_dir="lora" if lora else None,
-                       lora_weight=(f"{name}_lora.safetensors" if name else DIFFUSERS_LORA) if lora else None,
-                       lora_kohya=f"{name + '_' if name else ''}lora_kohya.safetensors" if lora else None)
+    return ExportFiles(
+        diffusers="diffusers",
+        single_file=f"{name or 'model'}.safetensors" if single_file else None,
+        lora_dir="lora" if lora else None,
+        lora_weight=(f"{name}_lora.safetensors" if name else DIFFUSERS_LORA) if lora else None,
+        lora_kohya=f"{name + '_' if name else ''}lora_kohya.safetensors" if lora else None,
+    )
 
 
 def trains_lora(cfg: Config) -> bool:

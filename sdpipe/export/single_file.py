@@ -26,12 +26,23 @@ OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
 TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_2"]}
 
 # Sub-module renames inside one block (diffusers name -> original name).
-_UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-                "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+_UNET_RESNET = {
+    "norm1": "in_layers.0",
+    "conv1": "in_layers.2",
+    "time_emb_proj": "emb_layers.1",
+    "norm2": "out_layers.0",
+    "conv2": "out_layers.3",
+    "conv_shortcut": "skip_connection",
+}
 _VAE_RESNET = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "conv_shortcut": "nin_shortcut"}
 _VAE_ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
-_OPEN_CLIP_LAYER = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2",
-                    "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+_OPEN_CLIP_LAYER = {
+    "self_attn.out_proj": "attn.out_proj",
+    "layer_norm1": "ln_1",
+    "layer_norm2": "ln_2",
+    "mlp.fc1": "mlp.c_fc",
+    "mlp.fc2": "mlp.c_proj",
+}
 
 
 def _block(modules: dict, src: str, dst: str, inner: dict) -> None:
@@ -43,13 +54,21 @@ def unet_modules(config) -> dict[str, str]:
     layers_per_block [resnet, attention] entries then one [downsampler]; output_blocks holds layers_per_block + 1
     entries per level, the level's upsampler appended to its last one. Attention internals keep their names."""
     if not isinstance(config["layers_per_block"], int):
-        raise UserError("single-file export needs one layers_per_block for every UNet level (the original layout "
-                        "has no per-level counts)")
+        raise UserError(
+            "single-file export needs one layers_per_block for every UNet level (the original layout "
+            "has no per-level counts)"
+        )
     n = config["layers_per_block"] + 1  # entries per level
-    m = {"conv_in": "input_blocks.0.0", "time_embedding.linear_1": "time_embed.0",
-         "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
-         "add_embedding.linear_2": "label_emb.0.2", "conv_norm_out": "out.0", "conv_out": "out.2",
-         "mid_block.attentions.0": "middle_block.1"}
+    m = {
+        "conv_in": "input_blocks.0.0",
+        "time_embedding.linear_1": "time_embed.0",
+        "time_embedding.linear_2": "time_embed.2",
+        "add_embedding.linear_1": "label_emb.0.0",
+        "add_embedding.linear_2": "label_emb.0.2",
+        "conv_norm_out": "out.0",
+        "conv_out": "out.2",
+        "mid_block.attentions.0": "middle_block.1",
+    }
     for j in (0, 1):
         _block(m, f"mid_block.resnets.{j}", f"middle_block.{2 * j}", _UNET_RESNET)
     for b in range(len(config["down_block_types"])):
@@ -70,8 +89,17 @@ def vae_modules(config) -> dict[str, str]:
     """diffusers module -> original module for AutoencoderKL. The original decoder numbers its levels from the
     bottom (up.0 is the last to run), diffusers from the top."""
     levels, layers = len(config["down_block_types"]), config["layers_per_block"]
-    m = {k: k for k in ("quant_conv", "post_quant_conv", "encoder.conv_in", "encoder.conv_out", "decoder.conv_in",
-                        "decoder.conv_out")}
+    m = {
+        k: k
+        for k in (
+            "quant_conv",
+            "post_quant_conv",
+            "encoder.conv_in",
+            "encoder.conv_out",
+            "decoder.conv_in",
+            "decoder.conv_out",
+        )
+    }
     for part in ("encoder", "decoder"):
         m[f"{part}.conv_norm_out"] = f"{part}.norm_out"
         _block(m, f"{part}.mid_block.attentions.0", f"{part}.mid.attn_1", _VAE_ATTN)
@@ -106,8 +134,10 @@ def rename(state: dict, modules: dict[str, str], what: str) -> dict:
         else:
             out[new] = value
     if unmapped:
-        raise UserError(f"cannot write the {what} in the original SD layout: no original name for {unmapped[0]} "
-                        f"({len(unmapped)} tensors unmapped); only SD 1.x and SDXL architectures are supported")
+        raise UserError(
+            f"cannot write the {what} in the original SD layout: no original name for {unmapped[0]} "
+            f"({len(unmapped)} tensors unmapped); only SD 1.x and SDXL architectures are supported"
+        )
     return out
 
 
@@ -119,15 +149,18 @@ def vae_state(vae) -> dict:
 
 def clip_state(encoder, prefix: str) -> dict:
     # transformers >= 5.6 flattens CLIPTextModel (no text_model. level); the original layout always has it.
-    return {prefix + (k if k.startswith("text_model.") else f"text_model.{k}"): v
-            for k, v in encoder.state_dict().items()}
+    return {
+        prefix + (k if k.startswith("text_model.") else f"text_model.{k}"): v for k, v in encoder.state_dict().items()
+    }
 
 
 def open_clip_state(encoder) -> dict:
     """CLIPTextModelWithProjection -> OpenCLIP text tower: q/k/v fused into in_proj, projection applied as x @ P."""
     sd = {k.removeprefix("text_model."): v for k, v in encoder.state_dict().items()}
-    out = {"text_projection": sd.pop("text_projection.weight").T.contiguous(),
-           "positional_embedding": sd.pop("embeddings.position_embedding.weight")}
+    out = {
+        "text_projection": sd.pop("text_projection.weight").T.contiguous(),
+        "positional_embedding": sd.pop("embeddings.position_embedding.weight"),
+    }
     modules = {"embeddings.token_embedding": "token_embedding", "final_layer_norm": "ln_final"}
     for i in range(encoder.config.num_hidden_layers):
         src, dst = f"encoder.layers.{i}", f"transformer.resblocks.{i}"
@@ -168,8 +201,9 @@ def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16", 
     family = loading.pipeline_family(model)
     encoders = loading.load_text_stack(model, dtype=torch_dtype).encoders
     _check_text_encoders(model, family, encoders)
-    state = original_state_dict(loading.load_unet(model, dtype=torch_dtype), loading.load_vae(model, dtype=torch_dtype),
-                                encoders, family)
+    state = original_state_dict(
+        loading.load_unet(model, dtype=torch_dtype), loading.load_vae(model, dtype=torch_dtype), encoders, family
+    )
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
     with io.atomic_path(out) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
@@ -205,8 +239,10 @@ def _check_keys(path: str | Path, root: Path, family: str) -> None:
     expected = original_state_dict(meta_model(root, "unet"), meta_model(root, "vae"), encoders, family)
     missing = sorted(set(expected) - present)
     if missing:
-        raise UserError(f"{path} lacks {len(missing)} tensors of this {family} architecture (e.g. {missing[0]}): "
-                        f"it is not an export of {root}, or an incomplete one")
+        raise UserError(
+            f"{path} lacks {len(missing)} tensors of this {family} architecture (e.g. {missing[0]}): "
+            f"it is not an export of {root}, or an incomplete one"
+        )
 
 
 def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtype: torch.dtype = torch.float32):
@@ -224,8 +260,12 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
     root, _ = loading.model_index(str(config_dir))
     _check_keys(path, root, family)
     with tempfile.TemporaryDirectory() as configs:
-        shutil.copytree(root, configs, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(*(f"*{s}" for s in weights.WEIGHT_SUFFIXES)))
+        shutil.copytree(
+            root,
+            configs,
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns(*(f"*{s}" for s in weights.WEIGHT_SUFFIXES)),
+        )
         try:
             return cls.from_single_file(str(path), config=configs, local_files_only=True, torch_dtype=dtype)
         except (OSError, ValueError, SingleFileComponentError) as exc:

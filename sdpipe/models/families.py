@@ -28,16 +28,26 @@ class Family:
         return getattr(diffusers, self.pipeline_class)
 
 
-SD = Family("sd", "SD 1.x/2.x", "StableDiffusionPipeline",
-            (("safety_checker", None), ("requires_safety_checker", False)))
+SD = Family(
+    "sd", "SD 1.x/2.x", "StableDiffusionPipeline", (("safety_checker", None), ("requires_safety_checker", False))
+)
 SDXL = Family("sdxl", "SDXL", "StableDiffusionXLPipeline", (("add_watermarker", False),))
 FAMILIES = {family.name: family for family in (SD, SDXL)}
 
 # model_index.json class names of families sdpipe does not train, as users know them.
-UNSUPPORTED = {"StableDiffusion3": "Stable Diffusion 3 / 3.5", "Flux": "Flux", "PixArt": "PixArt",
-               "Sana": "Sana", "AuraFlow": "AuraFlow", "Lumina": "Lumina", "HunyuanDiT": "Hunyuan-DiT",
-               "Kandinsky": "Kandinsky", "IF": "DeepFloyd IF", "Wuerstchen": "Wuerstchen",
-               "StableCascade": "Stable Cascade"}
+UNSUPPORTED = {
+    "StableDiffusion3": "Stable Diffusion 3 / 3.5",
+    "Flux": "Flux",
+    "PixArt": "PixArt",
+    "Sana": "Sana",
+    "AuraFlow": "AuraFlow",
+    "Lumina": "Lumina",
+    "HunyuanDiT": "Hunyuan-DiT",
+    "Kandinsky": "Kandinsky",
+    "IF": "DeepFloyd IF",
+    "Wuerstchen": "Wuerstchen",
+    "StableCascade": "Stable Cascade",
+}
 
 
 def present(index: dict, name: str) -> bool:
@@ -52,6 +62,8 @@ def detect(index: dict, where: str) -> Family:
     known = next((title for prefix, title in UNSUPPORTED.items() if cls.startswith(prefix)), None)
     if known or present(index, "transformer") or not present(index, "unet"):
         what = known or (f"{cls} " if cls else "") + "pipeline without a UNet"
-        raise UserError(f"{where} is a {what} model; sdpipe trains {SD.title} and {SDXL.title} UNet pipelines "
-                        f"(model_index.json says {cls or 'no _class_name'})")
+        raise UserError(
+            f"{where} is a {what} model; sdpipe trains {SD.title} and {SDXL.title} UNet pipelines "
+            f"(model_index.json says {cls or 'no _class_name'})"
+        )
     return SDXL if "XL" in cls or present(index, "text_encoder_2") else SD

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import transformers
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
 from sdpipe import io, weights
-from sdpipe.models import families
 from sdpipe.errors import UserError
+from sdpipe.models import families
 
 # (tokenizer, text encoder) pairs in pipeline order; SDXL's refiner has only the second.
 TEXT_PAIRS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
@@ -29,13 +29,15 @@ def model_index(pretrained: str, revision: str | None = None) -> tuple[Path, dic
     root = weights.resolve(str(pretrained), revision)
     index = root / "model_index.json"
     if not index.is_file():
-        raise UserError(f"{pretrained} is not a diffusers pipeline folder (no model_index.json); convert a single-file "
-                        f"checkpoint with diffusers' from_single_file(...).save_pretrained(folder) first")
+        raise UserError(
+            f"{pretrained} is not a diffusers pipeline folder (no model_index.json); convert a single-file "
+            f"checkpoint with diffusers' from_single_file(...).save_pretrained(folder) first"
+        )
     return root, io.read_json(index)
 
 
 def pipeline_family(pretrained: str, revision: str | None = None) -> str:
-    """"sdxl" for SDXL pipelines (base or refiner), "sd" for SD 1.x / 2.x; any other pipeline is a UserError."""
+    """ "sdxl" for SDXL pipelines (base or refiner), "sd" for SD 1.x / 2.x; any other pipeline is a UserError."""
     _, index = model_index(pretrained, revision)
     return families.detect(index, str(pretrained)).name
 
@@ -45,8 +47,10 @@ def text_component_names(pretrained: str, revision: str | None = None) -> list[s
     _, index = model_index(pretrained, revision)
     names = [enc for _, enc in TEXT_PAIRS if families.present(index, enc)]
     if not names:
-        raise UserError(f"{pretrained} has no text encoder (model_index.json lists neither text_encoder nor "
-                        f"text_encoder_2); sdpipe needs a text-conditioned SD/SDXL pipeline")
+        raise UserError(
+            f"{pretrained} has no text encoder (model_index.json lists neither text_encoder nor "
+            f"text_encoder_2); sdpipe needs a text-conditioned SD/SDXL pipeline"
+        )
     return names
 
 
@@ -68,14 +72,19 @@ def _frozen(model: torch.nn.Module, device: str | torch.device, dtype: torch.dty
     return model
 
 
-def _class(index: dict, name: str, default: type) -> type:
+def _class(index: dict, name: str, default: type) -> Any:
     """The class model_index.json names for a component (e.g. CLIPTextModelWithProjection), if transformers has it."""
     entry = index.get(name) or [None, None]
     return getattr(transformers, entry[1] or "", None) or default
 
 
-def load_vae(pretrained: str, revision: str | None = None, variant: str | None = None,
-             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> AutoencoderKL:
+def load_vae(
+    pretrained: str,
+    revision: str | None = None,
+    variant: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> AutoencoderKL:
     """The pipeline's VAE, frozen (eval, no grads). Callers decide about fp32 upcasting (config.force_upcast)."""
     root, _ = model_index(pretrained, revision)
     with user_errors(pretrained, "the VAE", variant):
@@ -83,8 +92,13 @@ def load_vae(pretrained: str, revision: str | None = None, variant: str | None =
     return _frozen(vae, device)
 
 
-def load_unet(pretrained: str, revision: str | None = None, variant: str | None = None,
-              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> UNet2DConditionModel:
+def load_unet(
+    pretrained: str,
+    revision: str | None = None,
+    variant: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> UNet2DConditionModel:
     """The UNet as saved (trainable: grads on, eval mode as from_pretrained leaves it; training calls .train())."""
     root, _ = model_index(pretrained, revision)
     with user_errors(pretrained, "the UNet", variant):
@@ -106,10 +120,17 @@ class TextStack:
     (text_encoder_2's projected embedding, an input of SDXL's added time/text embedding).
     """
 
-    def __init__(self, family: str, tokenizers: list, encoders: list[torch.nn.Module],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", names: list[str] = ()):
+    def __init__(
+        self,
+        family: str,
+        tokenizers: list,
+        encoders: list[Any],  # transformers CLIP text models
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        names: tuple[str, ...] | list[str] = (),
+    ):
         self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
-        self.names = list(names) or [enc for _, enc in TEXT_PAIRS][:len(encoders)]  # pipeline component names
+        self.names = list(names) or [enc for _, enc in TEXT_PAIRS][: len(encoders)]  # pipeline component names
         self.dtype, self.device = dtype, torch.device(device)
 
     def _ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -130,7 +151,7 @@ class TextStack:
         if self.family == "sd":
             tokenizer, encoder = self.tokenizers[0], self.encoders[0]
             return {"hidden": encoder(**self._ids(tokenizer, encoder, captions))[0]}  # final-layer-normed last layer
-        hidden, pooled = [], None
+        hidden, pooled = [], torch.empty(0)  # pooled: set by the last of SDXL's two encoders
         for tokenizer, encoder in zip(self.tokenizers, self.encoders):
             out = encoder(**self._ids(tokenizer, encoder, captions), output_hidden_states=True)
             hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer of each encoder
@@ -138,8 +159,13 @@ class TextStack:
         return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}  # [B, 77, sum D], [B, P]
 
 
-def load_text_stack(pretrained: str, revision: str | None = None, variant: str | None = None,
-                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TextStack:
+def load_text_stack(
+    pretrained: str,
+    revision: str | None = None,
+    variant: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> TextStack:
     root, index = model_index(pretrained, revision)
     family, tokenizers, encoders, names = pipeline_family(pretrained, revision), [], [], []
     for tok_name, enc_name in TEXT_PAIRS:
@@ -147,8 +173,9 @@ def load_text_stack(pretrained: str, revision: str | None = None, variant: str |
             continue
         with user_errors(pretrained, f"{tok_name}/{enc_name}", variant):
             tokenizers.append(_class(index, tok_name, transformers.CLIPTokenizer).from_pretrained(root / tok_name))
-            encoder = _class(index, enc_name, transformers.CLIPTextModel).from_pretrained(root / enc_name,
-                                                                                         variant=variant)
+            encoder = _class(index, enc_name, transformers.CLIPTextModel).from_pretrained(
+                root / enc_name, variant=variant
+            )
         encoders.append(_frozen(encoder, device, dtype))
         names.append(enc_name)
     if not encoders:

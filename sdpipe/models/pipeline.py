@@ -28,17 +28,24 @@ def no_load_bars():
             lib.enable_progress_bar()
 
 
-def load_pipeline(pretrained: str, revision: str | None = None, variant: str | None = None,
-                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  prediction_type: str | None = None, **components):
+def load_pipeline(
+    pretrained: str,
+    revision: str | None = None,
+    variant: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    prediction_type: str | None = None,
+    **components,
+):
     """StableDiffusion(XL)Pipeline from a diffusers folder or cached hub id; no safety checker, no watermark."""
     from sdpipe.models import families
 
     root = loading.model_index(pretrained, revision)[0]
     family = families.FAMILIES[loading.pipeline_family(pretrained, revision)]
     with no_load_bars(), loading.user_errors(pretrained, "the pipeline", variant):
-        pipe = family.pipeline().from_pretrained(root, torch_dtype=dtype, variant=variant, local_files_only=True,
-                                                 **dict(family.load_args), **components)
+        pipe = family.pipeline().from_pretrained(
+            root, torch_dtype=dtype, variant=variant, local_files_only=True, **dict(family.load_args), **components
+        )
     pipe.set_progress_bar_config(disable=True)
     if prediction_type:  # sample with the objective the UNet was trained on
         pipe.scheduler.register_to_config(prediction_type=prediction_type)

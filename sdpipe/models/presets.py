@@ -41,7 +41,7 @@ def _check(preset: str) -> str:
 
 
 def family(preset: str) -> str:
-    """"sd" (one CLIP text encoder, SD 1.x/2.x pipeline) or "sdxl" (two encoders, pooled + time conditioning)."""
+    """ "sd" (one CLIP text encoder, SD 1.x/2.x pipeline) or "sdxl" (two encoders, pooled + time conditioning)."""
     return _FAMILY[_check(preset)]
 
 
@@ -49,9 +49,19 @@ def _clip_text(hidden: int, layers: int, heads: int, inter: int, act: str, proj:
     from transformers import CLIPTextConfig
 
     # eos_token_id 49407: the pooled output is read at the first <|endoftext|>, as in the real tokenizers.
-    return CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, hidden_size=hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, intermediate_size=inter, hidden_act=act, projection_dim=proj,
-                          bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
+    return CLIPTextConfig(
+        vocab_size=49408,
+        max_position_embeddings=77,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        hidden_act=act,
+        projection_dim=proj,
+        bos_token_id=49406,
+        eos_token_id=49407,
+        pad_token_id=1,
+    )
 
 
 CLIP_L = dict(hidden=768, layers=12, heads=12, inter=3072, act="quick_gelu", proj=768)  # openai ViT-L/14 text
@@ -61,17 +71,33 @@ CLIP_TINY = dict(hidden=64, layers=2, heads=2, inter=128, act="quick_gelu", proj
 
 def text_encoder_configs(preset: str) -> list[CLIPTextConfig]:
     """One config per text encoder, in pipeline order (text_encoder, text_encoder_2)."""
-    specs = {"tiny": [CLIP_TINY], "sd15": [CLIP_L], "sdxl": [CLIP_L, CLIP_BIGG],
-             "tiny-sdxl": [CLIP_TINY, dict(CLIP_TINY, hidden=96, heads=3, inter=192, act="gelu", proj=96)]}
+    specs: dict[str, list[dict[str, Any]]] = {
+        "tiny": [CLIP_TINY],
+        "sd15": [CLIP_L],
+        "sdxl": [CLIP_L, CLIP_BIGG],
+        "tiny-sdxl": [CLIP_TINY, dict(CLIP_TINY, hidden=96, heads=3, inter=192, act="gelu", proj=96)],
+    }
     return [_clip_text(**spec) for spec in specs[_check(preset)]]
 
 
 def _vae(channels: tuple[int, ...], layers: int, sample_size: int, scaling: float, **extra: Any) -> dict:
     n = len(channels)
-    return dict(dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=channels,
-                     down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
-                     layers_per_block=layers, norm_num_groups=32, act_fn="silu",
-                     sample_size=sample_size, scaling_factor=scaling), **extra)
+    return dict(
+        dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=channels,
+            down_block_types=("DownEncoderBlock2D",) * n,
+            up_block_types=("UpDecoderBlock2D",) * n,
+            layers_per_block=layers,
+            norm_num_groups=32,
+            act_fn="silu",
+            sample_size=sample_size,
+            scaling_factor=scaling,
+        ),
+        **extra,
+    )
 
 
 def vae_config(preset: str) -> dict:
@@ -87,34 +113,64 @@ def vae_config(preset: str) -> dict:
     return _vae((128, 256, 512, 512), 2, 1024, 0.13025, force_upcast=True)
 
 
-_UNET_COMMON = dict(in_channels=4, out_channels=4, norm_num_groups=32, flip_sin_to_cos=True, freq_shift=0,
-                    downsample_padding=1, act_fn="silu")
+_UNET_COMMON = dict(
+    in_channels=4,
+    out_channels=4,
+    norm_num_groups=32,
+    flip_sin_to_cos=True,
+    freq_shift=0,
+    downsample_padding=1,
+    act_fn="silu",
+)
 
 
 def _sdxl_conditioning(text_dims: list[int], time_dim: int) -> dict:
     # SDXL adds pooled text (last encoder's projection) + 6 micro-conditioning sizes, each embedded in time_dim.
-    return dict(cross_attention_dim=sum(text_dims), addition_embed_type="text_time", addition_time_embed_dim=time_dim,
-                projection_class_embeddings_input_dim=text_dims[-1] + 6 * time_dim, use_linear_projection=True)
+    return dict(
+        cross_attention_dim=sum(text_dims),
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=text_dims[-1] + 6 * time_dim,
+        use_linear_projection=True,
+    )
 
 
 def unet_config(preset: str) -> dict:
     """UNet2DConditionModel kwargs. Note diffusers' legacy naming: attention_head_dim is the number of heads."""
     _check(preset)
     if preset == "sd15":
-        return dict(_UNET_COMMON, block_out_channels=(320, 640, 1280, 1280), layers_per_block=2,
-                    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-                    cross_attention_dim=768, attention_head_dim=8, sample_size=64)
+        return dict(
+            _UNET_COMMON,
+            block_out_channels=(320, 640, 1280, 1280),
+            layers_per_block=2,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            sample_size=64,
+        )
     if preset == "sdxl":
-        return dict(_UNET_COMMON, block_out_channels=(320, 640, 1280), layers_per_block=2,
-                    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), sample_size=128,
-                    **_sdxl_conditioning([768, 1280], 256))
+        return dict(
+            _UNET_COMMON,
+            block_out_channels=(320, 640, 1280),
+            layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10),
+            attention_head_dim=(5, 10, 20),
+            sample_size=128,
+            **_sdxl_conditioning([768, 1280], 256),
+        )
     # tiny: 32px images / VAE factor 4 = 8x8 latents; one downsample in the UNet -> 4x4 at the bottom.
-    tiny = dict(_UNET_COMMON, block_out_channels=(64, 96), layers_per_block=1,
-                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=4, sample_size=8)
+    tiny = dict(
+        _UNET_COMMON,
+        block_out_channels=(64, 96),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=4,
+        sample_size=8,
+    )
     if preset == "tiny-sdxl":
         dims = [c.hidden_size for c in text_encoder_configs(preset)]
         return dict(tiny, **_sdxl_conditioning(dims, 16))
@@ -131,11 +187,22 @@ def scheduler(preset: str):
     """
     from diffusers import DDIMScheduler, DDPMScheduler
 
-    common = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
-                  clip_sample=False, steps_offset=1)
+    common = dict(
+        num_train_timesteps=1000,
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        steps_offset=1,
+    )
     if _check(preset) == "tiny":
-        return DDIMScheduler(**common, prediction_type="v_prediction", rescale_betas_zero_snr=True,
-                             timestep_spacing="trailing", set_alpha_to_one=False)
+        return DDIMScheduler(
+            **common,
+            prediction_type="v_prediction",
+            rescale_betas_zero_snr=True,
+            timestep_spacing="trailing",
+            set_alpha_to_one=False,
+        )
     return DDPMScheduler(**common, prediction_type="epsilon")
 
 
@@ -152,13 +219,17 @@ def build_pipeline(preset: str, seed: int = 0) -> DiffusionPipeline:
     from sdpipe.models.tokenizer import build_clip_tokenizer
 
     torch.manual_seed(seed)  # one seed, and a fixed build order below, make every weight reproducible
-    parts: dict[str, Any] = dict(unet=UNet2DConditionModel(**unet_config(preset)),
-                                 vae=AutoencoderKL(**vae_config(preset)), scheduler=scheduler(preset))
+    parts: dict[str, Any] = dict(
+        unet=UNet2DConditionModel(**unet_config(preset)),
+        vae=AutoencoderKL(**vae_config(preset)),
+        scheduler=scheduler(preset),
+    )
     te_configs = text_encoder_configs(preset)
     parts["text_encoder"], parts["tokenizer"] = CLIPTextModel(te_configs[0]), build_clip_tokenizer()
     if family(preset) == "sd":
-        return StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
+        return StableDiffusionPipeline(
+            **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+        )
     # SDXL's second tokenizer is OpenCLIP's: the same BPE, padded with "!" (id 0) instead of <|endoftext|>.
     parts["text_encoder_2"] = CLIPTextModelWithProjection(te_configs[1])
     parts["tokenizer_2"] = build_clip_tokenizer(pad_token="!")

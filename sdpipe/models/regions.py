@@ -12,7 +12,6 @@ same modules outside it, eagerly, so sampling in inference mode compiles nothing
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -25,8 +24,13 @@ REGION_CLASSES = ("Transformer2DModel", "ResnetBlock2D")
 class CompiledRegions:
     """torch.compile each module of `model` whose class name is in `classes`, switched on only inside `with`."""
 
-    def __init__(self, model: torch.nn.Module, classes: tuple[str, ...] = REGION_CLASSES, dynamic: bool = False,
-                 backend="inductor"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        classes: tuple[str, ...] = REGION_CLASSES,
+        dynamic: bool = False,
+        backend="inductor",
+    ):
         self.blocks = [m for m in model.modules() if type(m).__name__ in classes]
         if not self.blocks:
             raise ValueError(f"no module of {classes} in {type(model).__name__}")
@@ -67,7 +71,7 @@ class CompiledRegions:
             with self:
                 return model(*args, **kwargs)
 
-        forward.regions = self
+        forward.regions = self  # type: ignore[attr-defined]  # the compiled regions, for telemetry
         return forward
 
 

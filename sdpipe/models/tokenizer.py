@@ -48,7 +48,8 @@ def bytes_to_unicode() -> dict[int, str]:
 def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """vocab.json and merges.txt content of openai/clip-vit-large-patch14 (ids in OpenAI's order)."""
     lines = gzip.open(_bpe_file()).read().decode("utf-8").split("\n")
-    merges = [tuple(line.split()) for line in lines[1:N_MERGES + 1]]  # line 0 is a version header
+    # line 0 is a version header; every other line is one merge of two symbols
+    merges = [(a, b) for a, b in (line.split() for line in lines[1 : N_MERGES + 1])]
     chars = list(bytes_to_unicode().values())
     tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + list(SPECIALS)
     return {t: i for i, t in enumerate(tokens)}, merges  # cached: callers must not mutate these

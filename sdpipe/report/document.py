@@ -10,8 +10,10 @@ import json
 from dataclasses import dataclass, field
 
 TIMING = "⏱"
-LEGEND = (f"{TIMING} marks timings and the generation time: timings vary from run to run. Every other value and "
-          "image is reproducible from the inputs.")
+LEGEND = (
+    f"{TIMING} marks timings and the generation time: timings vary from run to run. Every other value and "
+    "image is reproducible from the inputs."
+)
 NOT_AVAILABLE = "not available"
 
 
@@ -53,8 +55,13 @@ class Section:
 def is_timing(key: str, timings: frozenset[str] | set[str] = frozenset()) -> bool:
     """Whether a summary key holds a timing: listed by the producer (metrics.json "timings"), or named like one."""
     k = key.lower()
-    return (key in timings or k in ("seconds", "time", "duration") or "per_s" in k or "per_second" in k
-            or k.endswith(("_s", "_seconds", "_ms", "_time", "_duration")))
+    return (
+        key in timings
+        or k in ("seconds", "time", "duration")
+        or "per_s" in k
+        or "per_second" in k
+        or k.endswith(("_s", "_seconds", "_ms", "_time", "_duration"))
+    )
 
 
 def fmt(value) -> str:
@@ -83,16 +90,29 @@ def label(key: str) -> str:
 
 
 LABELS = {
-    "samples_per_s": "samples/s (steady)", "images_per_s": "images/s", "samples_per_s_per_gpu": "samples/s per GPU",
-    "per_gpu_samples_per_s": "samples/s per GPU", "train_samples_per_s": "training samples/s (steady, after warm-up)",
-    "train_warmup_s": "training warm-up (s)", "train_compile_s": "training compile (s)",
+    "samples_per_s": "samples/s (steady)",
+    "images_per_s": "images/s",
+    "samples_per_s_per_gpu": "samples/s per GPU",
+    "per_gpu_samples_per_s": "samples/s per GPU",
+    "train_samples_per_s": "training samples/s (steady, after warm-up)",
+    "train_warmup_s": "training warm-up (s)",
+    "train_compile_s": "training compile (s)",
     "train_time_to_first_step_s": "stage start to first optimizer step (s)",
-    "inference_samples_per_s": "inference images/s (after warm-up)", "inference_load_s": "inference model loading (s)",
-    "inference_warmup_s": "inference warm-up (s)", "peak_memory_mb": "peak memory (MB)",
-    "warmup_s": "warm-up (s)", "compile_s": "compile (s)", "time_to_first_step_s": "stage start to first step (s)",
-    "world_size": "processes (world size)", "global_batch_size": "global batch size",
-    "per_device_batch_size": "batch size per device", "grad_accum_steps": "gradient accumulation steps",
-    "fid": "FID", "clip_score": "CLIP score", "colour_accuracy": "colour accuracy", "max_abs_diff": "max |diff|",
+    "inference_samples_per_s": "inference images/s (after warm-up)",
+    "inference_load_s": "inference model loading (s)",
+    "inference_warmup_s": "inference warm-up (s)",
+    "peak_memory_mb": "peak memory (MB)",
+    "warmup_s": "warm-up (s)",
+    "compile_s": "compile (s)",
+    "time_to_first_step_s": "stage start to first step (s)",
+    "world_size": "processes (world size)",
+    "global_batch_size": "global batch size",
+    "per_device_batch_size": "batch size per device",
+    "grad_accum_steps": "gradient accumulation steps",
+    "fid": "FID",
+    "clip_score": "CLIP score",
+    "colour_accuracy": "colour accuracy",
+    "max_abs_diff": "max |diff|",
 }
 
 

@@ -8,20 +8,35 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe.report import grids, plots, sources
 from sdpipe.report.document import Cell, Figure, Note, Section, Table, fmt, kv_table, missing
 from sdpipe.report.sources import Sources
 
-from typing import TYPE_CHECKING
-
 if TYPE_CHECKING:
     from sdpipe.config import Config
 
-TRAIN_KEYS = ["mode", "device", "mixed_precision", "world_size", "per_device_batch_size", "grad_accum_steps",
-              "global_batch_size", "optimizer_steps", "epochs", "samples_seen", "peak_memory_mb", "compile",
-              "samples_per_s", "warmup_s", "compile_s", "time_to_first_step_s", "validation_and_checkpoint_s",
-              "seconds"]
+TRAIN_KEYS = [
+    "mode",
+    "device",
+    "mixed_precision",
+    "world_size",
+    "per_device_batch_size",
+    "grad_accum_steps",
+    "global_batch_size",
+    "optimizer_steps",
+    "epochs",
+    "samples_seen",
+    "peak_memory_mb",
+    "compile",
+    "samples_per_s",
+    "warmup_s",
+    "compile_s",
+    "time_to_first_step_s",
+    "validation_and_checkpoint_s",
+    "seconds",
+]
 
 
 def training(src: Sources, assets: Path) -> Section:
@@ -40,19 +55,23 @@ def throughput(src: Sources, assets: Path) -> Section:
     rows = src.data["train_metrics"]
     if rows:
         plots.throughput(rows, assets / "throughput.png")
-        section.blocks.append(Figure("throughput.png", "training samples/s and data-wait share per logged step",
-                                     timing=True))
+        section.blocks.append(
+            Figure("throughput.png", "training samples/s and data-wait share per logged step", timing=True)
+        )
     entries = src.data["metrics"].get("scaling")
     if not entries:
         section.blocks.append(Note("scaling: not available (evaluate measured no scaling runs)"))
         return section
     columns = ["gpus", "samples_per_s", "per_gpu_samples_per_s", "efficiency"]
-    table = [[Cell(fmt(e.get("gpus")))] + [Cell(fmt(e.get(k)), True) for k in columns[1:]]
-             for e in sorted(entries, key=lambda e: e["gpus"])]  # efficiency is a ratio of timings: a timing too
+    table = [
+        [Cell(fmt(e.get("gpus")))] + [Cell(fmt(e.get(k)), True) for k in columns[1:]]
+        for e in sorted(entries, key=lambda e: e["gpus"])
+    ]  # efficiency is a ratio of timings: a timing too
     plots.scaling(entries, assets / "scaling.png")
-    section.blocks += [Table(["GPUs", "samples/s", "samples/s per GPU", "efficiency"], table, "scaling"),
-                       Figure("scaling.png", "samples/s and efficiency against the GPU count; dashed: ideal",
-                              timing=True)]
+    section.blocks += [
+        Table(["GPUs", "samples/s", "samples/s per GPU", "efficiency"], table, "scaling"),
+        Figure("scaling.png", "samples/s and efficiency against the GPU count; dashed: ideal", timing=True),
+    ]
     return section
 
 
@@ -80,7 +99,7 @@ def samples(src: Sources, cfg: Config, assets: Path) -> Section:
 def eval_layout(prompts: list[dict]) -> tuple[list[str], list] | None:
     """(row prompts, column seeds) when prompts.json is in prompt-major grid order (as evaluate writes it)."""
     seeds = list(dict.fromkeys(p.get("seed") for p in prompts))
-    rows = [p["prompt"] for p in prompts[::len(seeds)]] if seeds else []
+    rows = [p["prompt"] for p in prompts[:: len(seeds)]] if seeds else []
     if [(p["prompt"], p.get("seed")) for p in prompts] != [(r, s) for r in rows for s in seeds]:
         return None
     return rows, seeds

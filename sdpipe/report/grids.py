@@ -61,8 +61,9 @@ def label_grid(src: Path, out: Path, prompts: list[str], seeds: list[int], aspec
     draw, font = ImageDraw.Draw(canvas), _font()
     line_h = FONT_SIZE + 4
     for c, seed in enumerate(seeds):
-        draw.text((LABEL_WIDTH + c * cell_w + cell_w // 2, HEADER // 2), f"seed {seed}", fill="black", font=font,
-                  anchor="mm")
+        draw.text(
+            (LABEL_WIDTH + c * cell_w + cell_w // 2, HEADER // 2), f"seed {seed}", fill="black", font=font, anchor="mm"
+        )
     for r, prompt in enumerate(prompts):
         lines = _wrapped(prompt, max(1, cell_h // line_h))
         top = HEADER + r * cell_h + (cell_h - line_h * len(lines)) // 2

@@ -102,15 +102,23 @@ def md_escape(value) -> str:
 
 
 def _env(autoescape: bool) -> jinja2.Environment:
-    env = jinja2.Environment(autoescape=autoescape, trim_blocks=True, lstrip_blocks=True,
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        autoescape=autoescape,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
     env.filters["md"] = md_escape
     return env
 
 
 def to_html(sections: list, assets: str) -> str:
-    return _env(True).from_string(HTML).render(sections=sections, assets=assets, legend=LEGEND, timing=TIMING,
-                                               css=Markup(CSS))  # ours, not user text
+    return (
+        _env(True)
+        .from_string(HTML)
+        .render(sections=sections, assets=assets, legend=LEGEND, timing=TIMING, css=Markup(CSS))
+    )  # ours, not user text
 
 
 def to_markdown(sections: list, assets: str) -> str:

@@ -6,24 +6,42 @@ a missing optional input becomes a "not available" note with the command that ma
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sdpipe.report import sources
 from sdpipe.report.document import Cell, Note, Section, Table, fmt, is_timing, kv_table, label, missing
 from sdpipe.report.sources import Sources
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
 
 KNOWN_METRICS = ("fid", "clip_score", "colour_accuracy")
-KNOWN_SCALARS = ("train_samples_per_s", "train_warmup_s", "train_compile_s", "train_time_to_first_step_s",
-                 "inference_samples_per_s", "inference_load_s", "inference_warmup_s")
+KNOWN_SCALARS = (
+    "train_samples_per_s",
+    "train_warmup_s",
+    "train_compile_s",
+    "train_time_to_first_step_s",
+    "inference_samples_per_s",
+    "inference_load_s",
+    "inference_warmup_s",
+)
 NOT_METRICS = ("scaling", "timings", "provenance")
 PACKAGES = ("sdpipe", "torch", "diffusers", "transformers", "accelerate", "peft", "open-clip-torch", "torchmetrics")
 PREPARE_KEYS = ["scanned", "accepted", "rejected", "duplicates", "train", "eval", "decoded", "reused", "warnings"]
 CAPTION_KEYS = ["total", "captioned", "reused", "failed", "errors", "chain", "seconds"]
-LATENT_KEYS = ["items", "encoded", "reused", "failed", "text_encoded", "text_reused", "devices", "dtype", "flip",
-               "seconds", "images_per_s"]
+LATENT_KEYS = [
+    "items",
+    "encoded",
+    "reused",
+    "failed",
+    "text_encoded",
+    "text_reused",
+    "devices",
+    "dtype",
+    "flip",
+    "seconds",
+    "images_per_s",
+]
 COUNTED = ("duplicates", "warnings")  # lists in the prepare summary (one entry each); the report shows how many
 BREAKDOWNS = {"prepare": ("buckets", "bucket (WxH)", "images"), "captions": ("by_source", "source", "captions")}
 
@@ -36,12 +54,14 @@ def provenance(src: Sources, cfg: Config, generated: str) -> Section:
     prov = src.data["metrics"].get("provenance") or {}
     commit, origin = sources.git_commit(prov.get("git_commit"))
     dirty = ", with uncommitted changes" if prov.get("git_dirty") else ""
-    rows = [["git commit", f"{commit} ({origin}{dirty})"],
-            ["config hash", f"{sources.config_hash(src.data['resolved_config'])} (of {src.paths['resolved_config']})"],
-            ["dataset hash", _dataset(src)],
-            ["raw data, DVC md5", _dvc(cfg)],
-            ["GPU", _gpu(prov.get("gpu"), src.data["train_summary"].get("device"))],
-            ["seeds", _seeds(prov.get("seeds"), cfg)]]
+    rows = [
+        ["git commit", f"{commit} ({origin}{dirty})"],
+        ["config hash", f"{sources.config_hash(src.data['resolved_config'])} (of {src.paths['resolved_config']})"],
+        ["dataset hash", _dataset(src)],
+        ["raw data, DVC md5", _dvc(cfg)],
+        ["GPU", _gpu(prov.get("gpu"), src.data["train_summary"].get("device"))],
+        ["seeds", _seeds(prov.get("seeds"), cfg)],
+    ]
     table = Table(["", "value"], [[Cell(k), Cell(v)] for k, v in rows] + [[Cell("generated"), Cell(generated, True)]])
     return Section("Provenance", [table, _packages(prov.get("packages"))])
 
@@ -85,8 +105,11 @@ def _packages(recorded: dict | None) -> Table:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return Table(["package", "version"], [[Cell(p), Cell(version(p))] for p in PACKAGES],
-                 "not recorded by evaluate: versions installed where the report was made")
+    return Table(
+        ["package", "version"],
+        [[Cell(p), Cell(version(p))] for p in PACKAGES],
+        "not recorded by evaluate: versions installed where the report was made",
+    )
 
 
 def metrics(src: Sources) -> Section:
@@ -94,8 +117,10 @@ def metrics(src: Sources) -> Section:
     found = [k for k in m if isinstance(m[k], dict) and "value" in m[k] and k not in KNOWN_METRICS]
     rows = [_metric_row(k, m.get(k)) for k in (*KNOWN_METRICS, *sorted(found))]
     order = {k: i for i, k in enumerate(KNOWN_SCALARS)}  # the known ones first, in this order, then the rest
-    scalars = sorted((k for k, v in m.items() if k not in NOT_METRICS and not isinstance(v, (dict, list))),
-                     key=lambda k: (order.get(k, len(order)), k))
+    scalars = sorted(
+        (k for k, v in m.items() if k not in NOT_METRICS and not isinstance(v, (dict, list))),
+        key=lambda k: (order.get(k, len(order)), k),
+    )
     rows += [[Cell(label(k)), Cell(fmt(m[k]), is_timing(k, timings)), Cell("")] for k in scalars]
     return Section("Metrics", [Table(["metric", "value", "details"], rows)])
 
@@ -110,8 +135,11 @@ def _metric_row(key: str, metric: dict | None) -> list[Cell]:
 
 def data(src: Sources) -> Section:
     section = Section("Data, captions and caches")
-    for name, title, keys in (("prepare", "prepare", PREPARE_KEYS), ("captions", "captions", CAPTION_KEYS),
-                              ("latents", "latent cache", LATENT_KEYS)):
+    for name, title, keys in (
+        ("prepare", "prepare", PREPARE_KEYS),
+        ("captions", "captions", CAPTION_KEYS),
+        ("latents", "latent cache", LATENT_KEYS),
+    ):
         if name in src.missing:
             section.blocks.append(missing(title, src.missing[name]))
             continue

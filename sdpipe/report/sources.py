@@ -13,9 +13,20 @@ from sdpipe import hashing, io
 from sdpipe.errors import UserError
 
 # The Snakemake target that writes each input. The resolved config is written by the workflow itself when it loads.
-MADE_BY = {"resolved_config": "report", "prepare": "prepare", "manifest": "prepare", "captions": "caption",
-           "latents": "latents", "train_summary": "train", "train_metrics": "train", "samples_dir": "train",
-           "export": "export", "metrics": "evaluate", "eval_grid": "evaluate", "eval_prompts": "evaluate"}
+MADE_BY = {
+    "resolved_config": "report",
+    "prepare": "prepare",
+    "manifest": "prepare",
+    "captions": "caption",
+    "latents": "latents",
+    "train_summary": "train",
+    "train_metrics": "train",
+    "samples_dir": "train",
+    "export": "export",
+    "metrics": "evaluate",
+    "eval_grid": "evaluate",
+    "eval_prompts": "evaluate",
+}
 REQUIRED = ("resolved_config", "train_summary", "train_metrics", "metrics")
 METRIC_COLUMNS = ("step", "loss", "lr")  # the least of sdpipe/train/telemetry.py COLUMNS that the plots need
 GRID_NAME = re.compile(r"step-(\d+)\.png")
@@ -40,8 +51,13 @@ def load(inputs: dict[str, Path]) -> Sources:
         if not paths[name].exists():
             raise UserError(hint(name, paths[name]))
     src = Sources(paths)
-    readers = {"resolved_config": _read_yaml, "train_metrics": read_metrics_csv, "samples_dir": find_grids,
-               "eval_grid": lambda path: path, "manifest": io.read_jsonl}
+    readers = {
+        "resolved_config": _read_yaml,
+        "train_metrics": read_metrics_csv,
+        "samples_dir": find_grids,
+        "eval_grid": lambda path: path,
+        "manifest": io.read_jsonl,
+    }
     for name, path in paths.items():
         if not path.exists():
             src.missing[name] = hint(name, path)
@@ -51,8 +67,9 @@ def load(inputs: dict[str, Path]) -> Sources:
             if name in OBJECTS and not isinstance(src.data[name], dict):
                 raise ValueError("not a mapping")
         except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise UserError(f"{path} is unreadable ({str(exc).splitlines()[0]}); rerun `snakemake "
-                            f"{MADE_BY[name]}`") from None
+            raise UserError(
+                f"{path} is unreadable ({str(exc).splitlines()[0]}); rerun `snakemake {MADE_BY[name]}`"
+            ) from None
     return src
 
 

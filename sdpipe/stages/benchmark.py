@@ -10,11 +10,10 @@ from __future__ import annotations
 import csv
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import config, io
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -26,9 +25,16 @@ OUTPUTS = {"out": "results/benchmark", "scaling": "results/benchmark/scaling.jso
 
 def settings_for(cfg: Config, gpus: int) -> list[str]:
     b = cfg.benchmark
-    return [f"train.num_processes={gpus}", f"train.max_steps={b.warmup_steps + b.steps}", "train.resume=null",
-            "train.lr_warmup_steps=0", "train.log_every=1", f"train.checkpoint_every={10**9}",
-            "train.validation.every=0", "train.tracker=none"]
+    return [
+        f"train.num_processes={gpus}",
+        f"train.max_steps={b.warmup_steps + b.steps}",
+        "train.resume=null",
+        "train.lr_warmup_steps=0",
+        "train.log_every=1",
+        f"train.checkpoint_every={10**9}",
+        "train.validation.every=0",
+        "train.tracker=none",
+    ]
 
 
 def timed_throughput(metrics_csv: Path, warmup: int) -> float:
@@ -49,8 +55,15 @@ def timed_throughput(metrics_csv: Path, warmup: int) -> float:
 def scaling_table(results: dict[int, float]) -> list[dict]:
     base = min(results)
     per_gpu_base = results[base] / base
-    return [{"gpus": n, "samples_per_s": round(s, 3), "per_gpu_samples_per_s": round(s / n, 3),
-             "efficiency": round((s / n) / per_gpu_base, 4)} for n, s in sorted(results.items())]
+    return [
+        {
+            "gpus": n,
+            "samples_per_s": round(s, 3),
+            "per_gpu_samples_per_s": round(s / n, 3),
+            "efficiency": round((s / n) / per_gpu_base, 4),
+        }
+        for n, s in sorted(results.items())
+    ]
 
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
@@ -67,8 +80,15 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         results[n] = timed_throughput(folder / "metrics.csv", cfg.benchmark.warmup_steps)
         log.info("benchmark: %d GPU(s): %.2f samples/s", n, results[n])
     table = scaling_table(results)
-    io.write_json(outputs["scaling"], {"scaling": table, "steps": cfg.benchmark.steps,
-                                       "warmup_steps": cfg.benchmark.warmup_steps,
-                                       "per_device_batch_size": cfg.train.per_device_batch_size,
-                                       "mixed_precision": cfg.train.mixed_precision, "timing": True})
+    io.write_json(
+        outputs["scaling"],
+        {
+            "scaling": table,
+            "steps": cfg.benchmark.steps,
+            "warmup_steps": cfg.benchmark.warmup_steps,
+            "per_device_batch_size": cfg.train.per_device_batch_size,
+            "mixed_precision": cfg.train.mixed_precision,
+            "timing": True,
+        },
+    )
     return {"scaling": table}

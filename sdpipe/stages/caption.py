@@ -13,11 +13,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import hashing, io, parallel
 from sdpipe.stages import image_file, read_upstream
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -78,13 +77,27 @@ def _model_step(cfg: Config, source: str, items: list[Item], root: Path, used: l
             misses.setdefault(key, []).append(item)  # the same image twice is captioned once
     if not misses:
         return used
-    devices = caption_devices(cfg)[:len(misses)]  # a device without work would only load the model
-    log.info("caption: %s for %d images on %s (%d cached)", source, len(misses), ",".join(devices),
-             len(items) - sum(len(v) for v in misses.values()))
-    jobs = [{"key": key, "id": group[0].row["id"], "file": image_file(cfg, group[0].row)}
-            for key, group in misses.items()]
-    parts = parallel.run_sharded(captioners.caption_worker, jobs, devices, f"captioning ({source})", spec=spec,
-                                 cache_root=str(root), batch_size=cfg.caption.batch_size, pixels=pixels)
+    devices = caption_devices(cfg)[: len(misses)]  # a device without work would only load the model
+    log.info(
+        "caption: %s for %d images on %s (%d cached)",
+        source,
+        len(misses),
+        ",".join(devices),
+        len(items) - sum(len(v) for v in misses.values()),
+    )
+    jobs = [
+        {"key": key, "id": group[0].row["id"], "file": image_file(cfg, group[0].row)} for key, group in misses.items()
+    ]
+    parts = parallel.run_sharded(
+        captioners.caption_worker,
+        jobs,
+        devices,
+        f"captioning ({source})",
+        spec=spec,
+        cache_root=str(root),
+        batch_size=cfg.caption.batch_size,
+        pixels=pixels,
+    )
     for result in (r for part in parts for r in part):
         for item in misses[result["key"]]:
             if result["error"]:
@@ -119,18 +132,30 @@ def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]
 def _output_row(item: Item) -> dict:
     row = item.row
     error = None if item.caption else (item.error or NO_CAPTION)
-    return {"id": row["id"], "path": row["path"], "split": row.get("split"), "caption": item.caption,
-            "source": item.source, "provenance": item.provenance, "error": error}
+    return {
+        "id": row["id"],
+        "path": row["path"],
+        "split": row.get("split"),
+        "caption": item.caption,
+        "source": item.source,
+        "provenance": item.provenance,
+        "error": error,
+    }
 
 
 def _summary(cfg: Config, items: list[Item], devices: list[str], seconds: float) -> dict:
     failed = sum(item.caption is None for item in items)
     captioned = sum(item.caption is not None and item.computed for item in items)
     return {
-        "total": len(items), "captioned": captioned, "reused": len(items) - failed - captioned, "failed": failed,
+        "total": len(items),
+        "captioned": captioned,
+        "reused": len(items) - failed - captioned,
+        "failed": failed,
         "by_source": dict(Counter(item.source for item in items if item.source)),
         "errors": sum(item.error is not None and item.caption is None for item in items),
-        "chain": list(cfg.caption.chain), "devices": devices, "seconds": round(seconds, 3),
+        "chain": list(cfg.caption.chain),
+        "devices": devices,
+        "seconds": round(seconds, 3),
     }
 
 
@@ -141,8 +166,14 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     summary = _summary(cfg, items, devices, time.perf_counter() - start)
     io.write_jsonl(outputs["captions"], (_output_row(item) for item in items))
     io.write_json(outputs["summary"], summary)
-    log.info("caption: %d captioned, %d reused, %d failed of %d (%s)", summary["captioned"], summary["reused"],
-             summary["failed"], summary["total"], ", ".join(f"{k} {v}" for k, v in summary["by_source"].items()))
+    log.info(
+        "caption: %d captioned, %d reused, %d failed of %d (%s)",
+        summary["captioned"],
+        summary["reused"],
+        summary["failed"],
+        summary["total"],
+        ", ".join(f"{k} {v}" for k, v in summary["by_source"].items()),
+    )
     missed = [item for item in items if item.caption is None]
     if missed:  # left out of training by the latents stage: say which, and why, here where it happens
         shown = "; ".join(f"{item.row['path']}: {item.error or NO_CAPTION}" for item in missed[:3])

@@ -11,19 +11,24 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
 
 log = logging.getLogger(__name__)
-INPUTS = {"prepare": "results/prepare/summary.json", "manifest": "results/prepare/manifest.jsonl",
-          "captions": "results/captions/captions.jsonl", "train_summary": "results/train/summary.json",
-          "export": "results/export/summary.json", "metrics": "results/evaluate/metrics.json",
-          "eval_grid": "results/evaluate/samples/grid.png", "eval_prompts": "results/evaluate/samples/prompts.json"}
+INPUTS = {
+    "prepare": "results/prepare/summary.json",
+    "manifest": "results/prepare/manifest.jsonl",
+    "captions": "results/captions/captions.jsonl",
+    "train_summary": "results/train/summary.json",
+    "export": "results/export/summary.json",
+    "metrics": "results/evaluate/metrics.json",
+    "eval_grid": "results/evaluate/samples/grid.png",
+    "eval_prompts": "results/evaluate/samples/prompts.json",
+}
 OUTPUTS = {"card": "results/card/README.md", "grid": "results/card/samples.png"}
 
 
@@ -50,6 +55,5 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> str:
         link = Path(os.path.relpath(grid.resolve(), card.parent.resolve())).as_posix()
     text = front_matter.render(known, link) + "\n" + body.render(known, link)
     io.write_text(card, text)
-    log.info("card: %s (%s%s)", card, "LoRA" if known["lora"] else "fine-tune",
-             f", sample grid {grid}" if link else "")
+    log.info("card: %s (%s%s)", card, "LoRA" if known["lora"] else "fine-tune", f", sample grid {grid}" if link else "")
     return text

@@ -11,11 +11,10 @@ import logging
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import hashing, io, parallel, weights
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -31,10 +30,17 @@ def _settings(cfg: Config, device_kind: str) -> dict:
     d = cfg.dreambooth
     height, width = d.resolution or [cfg.prepare.buckets.resolution] * 2
     # The resolved folder, not the name: a spawned worker has no config loaded to convert a single file with.
-    return {"pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)), "revision": None,
-            "variant": cfg.model.variant,
-            "height": height, "width": width, "steps": d.steps, "guidance": d.guidance,
-            "batch_size": d.batch_size, "half_on_gpu": device_kind == "cuda"}
+    return {
+        "pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)),
+        "revision": None,
+        "variant": cfg.model.variant,
+        "height": height,
+        "width": width,
+        "steps": d.steps,
+        "guidance": d.guidance,
+        "batch_size": d.batch_size,
+        "half_on_gpu": device_kind == "cuda",
+    }
 
 
 def _key(cfg: Config, settings: dict, base_sha: str, index: int) -> str:
@@ -48,9 +54,17 @@ def plan(cfg: Config, folder: Path, settings: dict, base_sha: str) -> tuple[list
     have = {p.name for p in folder.glob("*.png")} if folder.is_dir() else set()
     stale = [folder / n for n in sorted(have - set(wanted))]
     stale += [p.with_suffix(".txt") for p in stale if p.with_suffix(".txt").exists()]
-    jobs = [{"index": i, "prompt": cfg.dreambooth.class_prompt, "seed": _seed(cfg.seed, i),
-             "file": str(folder / name), "caption_file": str(folder / name.replace(".png", ".txt"))}
-            for name, i in wanted.items() if name not in have or not (folder / name).with_suffix(".txt").exists()]
+    jobs = [
+        {
+            "index": i,
+            "prompt": cfg.dreambooth.class_prompt,
+            "seed": _seed(cfg.seed, i),
+            "file": str(folder / name),
+            "caption_file": str(folder / name.replace(".png", ".txt")),
+        }
+        for name, i in wanted.items()
+        if name not in have or not (folder / name).with_suffix(".txt").exists()
+    ]
     return jobs, stale
 
 
@@ -69,22 +83,35 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         raise UserError("dreambooth.enabled is false; class images are only generated for DreamBooth runs")
     devices = class_devices(cfg)
     settings = _settings(cfg, devices[0].split(":")[0])
-    base_sha = weights.weights_hash(cfg.model.pretrained, revision=cfg.model.revision,
-                                    memo_file=Path(cfg.cache_dir) / "weight-hashes.json")
+    base_sha = weights.weights_hash(
+        cfg.model.pretrained, revision=cfg.model.revision, memo_file=Path(cfg.cache_dir) / "weight-hashes.json"
+    )
     folder = Path(outputs["images"])
     folder.mkdir(parents=True, exist_ok=True)
     jobs, stale = plan(cfg, folder, settings, base_sha)
     for path in stale:
         path.unlink()
-    log.info("class images: %d to generate, %d kept, %d stale removed, on %s", len(jobs),
-             d.num_class_images - len(jobs), len(stale), ",".join(devices[:max(1, len(jobs))]))
+    log.info(
+        "class images: %d to generate, %d kept, %d stale removed, on %s",
+        len(jobs),
+        d.num_class_images - len(jobs),
+        len(stale),
+        ",".join(devices[: max(1, len(jobs))]),
+    )
     from sdpipe.generate import generate
 
     start = time.perf_counter()
     generate(jobs, devices, "class images", settings)
-    summary = {"prompt": d.class_prompt, "images": d.num_class_images, "generated": len(jobs),
-               "kept": d.num_class_images - len(jobs), "stale_removed": len([p for p in stale if p.suffix == ".png"]),
-               "devices": devices[:max(1, len(jobs))], "seconds": round(time.perf_counter() - start, 3),
-               "settings": settings, "base_sha256": base_sha}
+    summary = {
+        "prompt": d.class_prompt,
+        "images": d.num_class_images,
+        "generated": len(jobs),
+        "kept": d.num_class_images - len(jobs),
+        "stale_removed": len([p for p in stale if p.suffix == ".png"]),
+        "devices": devices[: max(1, len(jobs))],
+        "seconds": round(time.perf_counter() - start, 3),
+        "settings": settings,
+        "base_sha256": base_sha,
+    }
     io.write_json(outputs["summary"], summary)
     return summary

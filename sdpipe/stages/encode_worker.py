@@ -54,14 +54,13 @@ def _batches(jobs: list[dict], size: int):
     for bucket in sorted(by_bucket):
         group = by_bucket[bucket]
         for i in range(0, len(group), size):
-            yield group[i:i + size]
+            yield group[i : i + size]
 
 
 def _load_pixels(job: dict, settings: dict):
     pre = job["pre"]
     p = Preprocess(**{**pre, "bucket": tuple(pre["bucket"]), "background": tuple(pre["background"])})
-    img = images.load_checked(Path(job["file"]), job["id"], p.background,
-                              settings["max_pixels"])
+    img = images.load_checked(Path(job["file"]), job["id"], p.background, settings["max_pixels"])
     return to_uint8(cover_and_crop(img, p, job["id"])[0])
 
 
@@ -95,8 +94,9 @@ def _load_vae(device: str, settings: dict):
     root, _ = loading.model_index(settings["pretrained"], settings["revision"])  # local folder, never a download
     vae_cfg = AutoencoderKL.load_config(str(root), subfolder="vae")
     compute = _compute_dtype(device, settings["dtype"], vae_cfg.get("force_upcast", False))
-    return loading.load_vae(settings["pretrained"], settings["revision"], settings["variant"], dtype=compute,
-                            device=device), compute
+    return loading.load_vae(
+        settings["pretrained"], settings["revision"], settings["variant"], dtype=compute, device=device
+    ), compute
 
 
 # On an H200 compiling SD 1.5's encoder costs 20-28 s and then encodes 381-410 images/s against eager's 184
@@ -225,8 +225,11 @@ def _encode_images(device: str, jobs: list[dict], report, settings: dict) -> tup
     pending, clock = None, _Clock()
     for batch, loaded in _prefetched(jobs, settings):
         ok = [(job, px) for job, px in zip(batch, loaded) if not isinstance(px, Exception)]
-        failed += [{"id": j["id"], "path": j["path"], "reason": str(px)} for j, px in zip(batch, loaded)
-                   if isinstance(px, Exception)]
+        failed += [
+            {"id": j["id"], "path": j["path"], "reason": str(px)}
+            for j, px in zip(batch, loaded)
+            if isinstance(px, Exception)
+        ]
         current = None
         if ok:
             with torch.no_grad():
@@ -245,13 +248,15 @@ def _encode_texts(device: str, jobs: list[dict], report, settings: dict) -> None
     from sdpipe.models import loading
 
     compute = _compute_dtype(device, settings["dtype"])
-    stack = loading.load_text_stack(settings["pretrained"], settings["revision"], settings["variant"],
-                                    dtype=compute, device=device)
+    stack = loading.load_text_stack(
+        settings["pretrained"], settings["revision"], settings["variant"], dtype=compute, device=device
+    )
     store, store_dtype = ShardStore(settings["text_dir"]), _dtype(settings["dtype"])
     size = settings["batch_size"] * 4  # text encoding is cheap per item
     for i in range(0, len(jobs), size):
-        batch = jobs[i:i + size]
+        batch = jobs[i : i + size]
         out = stack.encode([j["caption"] for j in batch])
-        store.write_shard({job["key"]: {name: t[n].to(store_dtype) for name, t in out.items()}
-                           for n, job in enumerate(batch)})
+        store.write_shard(
+            {job["key"]: {name: t[n].to(store_dtype) for name, t in out.items()} for n, job in enumerate(batch)}
+        )
         report(len(batch))

@@ -11,22 +11,33 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io, parallel
 from sdpipe.errors import UserError
 from sdpipe.stages import image_file, read_upstream
 
-from typing import TYPE_CHECKING
-
 if TYPE_CHECKING:
     from sdpipe.config import Config
 
 log = logging.getLogger(__name__)
-INPUTS = {"model": "results/export/diffusers", "manifest": "results/prepare/manifest.jsonl",
-          "train_summary": "results/train/summary.json", "scaling": "results/benchmark/scaling.json"}
+INPUTS = {
+    "model": "results/export/diffusers",
+    "manifest": "results/prepare/manifest.jsonl",
+    "train_summary": "results/train/summary.json",
+    "scaling": "results/benchmark/scaling.json",
+}
 OUTPUTS = {"metrics": "results/evaluate/metrics.json", "samples": "results/evaluate/samples"}
-TIMINGS = ["train_samples_per_s", "train_warmup_s", "train_compile_s", "train_time_to_first_step_s",
-           "inference_samples_per_s", "inference_load_s", "inference_warmup_s", "scaling"]
+TIMINGS = [
+    "train_samples_per_s",
+    "train_warmup_s",
+    "train_compile_s",
+    "train_time_to_first_step_s",
+    "inference_samples_per_s",
+    "inference_load_s",
+    "inference_warmup_s",
+    "scaling",
+]
 # Sampling compiles the UNet's blocks (sdpipe.models.regions) only when it renders at least this many images per
 # GPU. SD 1.5, 512 px, 20 steps on an H200 (NOTES v12): 4.55 images/s eager, 5.33 compiled after 38 s of warm-up,
 # so the compile is repaid after about 1,200 images.
@@ -36,8 +47,11 @@ COMPILE_FROM_IMAGES = 1200
 def jobs_for(cfg: Config, folder: Path) -> list[dict]:
     """One image per (prompt, seed): the grid's row is the prompt, its column the seed."""
     e = cfg.evaluate
-    return [{"index": p * len(e.seeds) + s, "prompt": prompt, "seed": seed, "file": str(folder / f"{p:03d}-{s:02d}.png")}
-            for p, prompt in enumerate(e.prompts) for s, seed in enumerate(e.seeds)]
+    return [
+        {"index": p * len(e.seeds) + s, "prompt": prompt, "seed": seed, "file": str(folder / f"{p:03d}-{s:02d}.png")}
+        for p, prompt in enumerate(e.prompts)
+        for s, seed in enumerate(e.seeds)
+    ]
 
 
 def real_images(cfg: Config, manifest: Path) -> list[dict]:
@@ -65,10 +79,19 @@ def render(cfg: Config, model: Path, folder: Path) -> tuple[list[dict], dict]:
     height, width = e.resolution or [cfg.prepare.buckets.resolution] * 2
     jobs, devices = jobs_for(cfg, folder), eval_devices(cfg)
     on_gpu = devices[0].startswith("cuda")
-    settings = {"pretrained": str(model), "revision": None, "variant": None, "height": height, "width": width,
-                "steps": e.steps, "guidance": e.guidance, "batch_size": batch_size(e.batch_size, on_gpu, height, width),
-                "half_on_gpu": True, "prediction_type": cfg.train.prediction_type,
-                "compile": sampling_compile(e.compile, on_gpu, len(jobs) / len(devices))}
+    settings = {
+        "pretrained": str(model),
+        "revision": None,
+        "variant": None,
+        "height": height,
+        "width": width,
+        "steps": e.steps,
+        "guidance": e.guidance,
+        "batch_size": batch_size(e.batch_size, on_gpu, height, width),
+        "half_on_gpu": True,
+        "prediction_type": cfg.train.prediction_type,
+        "compile": sampling_compile(e.compile, on_gpu, len(jobs) / len(devices)),
+    }
     from sdpipe.generate import generate
 
     return jobs, generate(jobs, devices, "evaluation images", settings)
@@ -129,8 +152,13 @@ def provenance(cfg: Config) -> dict:
     from sdpipe.provenance import git_state, gpu_facts, package_versions
 
     commit, dirty = git_state()
-    return {"git_commit": commit, "git_dirty": dirty, "gpu": gpu_facts(), "packages": package_versions(),
-            "seeds": {"seed": cfg.seed, "evaluate.seeds": list(cfg.evaluate.seeds)}}
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "gpu": gpu_facts(),
+        "packages": package_versions(),
+        "seeds": {"seed": cfg.seed, "evaluate.seeds": list(cfg.evaluate.seeds)},
+    }
 
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
@@ -146,17 +174,31 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     metrics = quality(cfg, images, prompts, real_rows, device)
     train = io.read_json(inputs["train_summary"]) if Path(inputs["train_summary"]).is_file() else {}
     scaling = Path(inputs["scaling"]) if cfg.benchmark.gpu_counts else None  # only a benchmark of this config
-    metrics.update(train_samples_per_s=train.get("samples_per_s"), train_warmup_s=train.get("warmup_s"),
-                   train_compile_s=train.get("compile_s"), train_time_to_first_step_s=train.get("time_to_first_step_s"),
-                   inference_samples_per_s=speed["images_per_s"], inference_load_s=speed["load_s"],
-                   inference_warmup_s=speed["warmup_s"],
-                   scaling=io.read_json(scaling)["scaling"] if scaling else None, timings=TIMINGS,
-                   images=n_fake, provenance=provenance(cfg))
+    metrics.update(
+        train_samples_per_s=train.get("samples_per_s"),
+        train_warmup_s=train.get("warmup_s"),
+        train_compile_s=train.get("compile_s"),
+        train_time_to_first_step_s=train.get("time_to_first_step_s"),
+        inference_samples_per_s=speed["images_per_s"],
+        inference_load_s=speed["load_s"],
+        inference_warmup_s=speed["warmup_s"],
+        scaling=io.read_json(scaling)["scaling"] if scaling else None,
+        timings=TIMINGS,
+        images=n_fake,
+        provenance=provenance(cfg),
+    )
     write_grid(images, jobs, cfg, folder)
     io.write_json(outputs["metrics"], metrics)
-    log.info("evaluate: fid %s, clip_score %s, colour accuracy %s; %s images/s after warm-up (model loading %s s, "
-             "warm-up %s s)", _show(metrics["fid"]), _show(metrics["clip_score"]), _show(metrics["colour_accuracy"]),
-             speed["images_per_s"], speed["load_s"], speed["warmup_s"])
+    log.info(
+        "evaluate: fid %s, clip_score %s, colour accuracy %s; %s images/s after warm-up (model loading %s s, "
+        "warm-up %s s)",
+        _show(metrics["fid"]),
+        _show(metrics["clip_score"]),
+        _show(metrics["colour_accuracy"]),
+        speed["images_per_s"],
+        speed["load_s"],
+        speed["warmup_s"],
+    )
     return metrics
 
 

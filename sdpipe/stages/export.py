@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,8 +23,6 @@ import torch
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.models import loading
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -41,8 +40,9 @@ def trained_source(cfg: Config, final: Path) -> tuple[Path, dict]:
         raise UserError(f"no trained model at {final}; run `snakemake train` first")
     info = io.read_json(final / "final.json")
     if cfg.export.ema and not info.get("ema"):
-        raise UserError("export.ema is true but the run kept no EMA; set train.ema.enabled and retrain, "
-                        "or export.ema: false")
+        raise UserError(
+            "export.ema is true but the run kept no EMA; set train.ema.enabled and retrain, or export.ema: false"
+        )
     return (final / "ema" if cfg.export.ema else final), info
 
 
@@ -70,8 +70,9 @@ def release(*pipes) -> None:
         torch.cuda.empty_cache()
 
 
-def trained_pipeline(cfg: Config, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32,
-                     device: str = "cpu"):
+def trained_pipeline(
+    cfg: Config, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32, device: str = "cpu"
+):
     """The base pipeline with the trained components: full ones replace the base's, LoRA ones are loaded as
     adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
     from diffusers import UNet2DConditionModel
@@ -85,8 +86,15 @@ def trained_pipeline(cfg: Config, source: Path, components: dict, fuse: bool, dt
         elif mode == "full":
             parts[name] = _text_class(cfg, name).from_pretrained(source / name, torch_dtype=dtype)
     # The trained objective goes into the scheduler config, so the exported pipeline samples with it.
-    pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device, dtype,
-                         prediction_type=cfg.train.prediction_type, **parts)
+    pipe = load_pipeline(
+        cfg.model.pretrained,
+        cfg.model.revision,
+        cfg.model.variant,
+        device,
+        dtype,
+        prediction_type=cfg.train.prediction_type,
+        **parts,
+    )
     if "lora" in components.values():
         pipe.load_lora_weights(str(source))
         if fuse:
@@ -106,8 +114,14 @@ def render(cfg: Config, pipe) -> np.ndarray:
     """The verification image: one prompt, one seed, CPU generator, as uint8 RGB."""
     v = cfg.export.verify
     size = v.resolution or [min(cfg.prepare.buckets.resolution, MAX_VERIFY_SIDE)] * 2
-    image = pipe(v.prompt, height=size[0], width=size[1], num_inference_steps=v.steps, guidance_scale=v.guidance,
-                 generator=torch.Generator(device="cpu").manual_seed(v.seed)).images[0]
+    image = pipe(
+        v.prompt,
+        height=size[0],
+        width=size[1],
+        num_inference_steps=v.steps,
+        guidance_scale=v.guidance,
+        generator=torch.Generator(device="cpu").manual_seed(v.seed),
+    ).images[0]
     return np.asarray(image.convert("RGB"))
 
 
@@ -123,9 +137,11 @@ def check_reference(image: np.ndarray) -> None:
     """A reference of one flat colour (a NaN in half precision renders black) would match any other flat image:
     verification could not tell a broken export from a good one."""
     if int(image.max()) == int(image.min()):
-        raise UserError(f"the trained model renders a flat image (every pixel {int(image.max())}) for "
-                        "export.verify.prompt, so the exports cannot be verified against it; if it renders black on "
-                        "a GPU, try export.verify.device: cpu (fp32) to see whether fp16 overflows")
+        raise UserError(
+            f"the trained model renders a flat image (every pixel {int(image.max())}) for "
+            "export.verify.prompt, so the exports cannot be verified against it; if it renders black on "
+            "a GPU, try export.verify.device: cpu (fp32) to see whether fp16 overflows"
+        )
 
 
 def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: float, out: Path, **details) -> dict:
@@ -137,8 +153,13 @@ def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: floa
     with io.atomic_path(path) as tmp:
         Image.fromarray(image).save(tmp, "PNG")
     mean = float(diff.mean())
-    return {**details, "max_abs_diff": int(diff.max()), "mean_abs_diff": round(mean, 4),
-            "verified": mean <= tolerance, "image": str(path)}
+    return {
+        **details,
+        "max_abs_diff": int(diff.max()),
+        "mean_abs_diff": round(mean, 4),
+        "verified": mean <= tolerance,
+        "image": str(path),
+    }
 
 
 def export_diffusers(cfg: Config, pipe, folder: Path, dtype: str) -> Path:
@@ -156,8 +177,15 @@ def verify_diffusers(cfg: Config, folder: Path, reference: np.ndarray, out: Path
     device, dtype = verify_device(cfg)
     pipe = load_pipeline(str(folder), device=device, dtype=dtype, prediction_type=cfg.train.prediction_type)
     loader = f"{type(pipe).__name__}.from_pretrained"
-    return compare("diffusers", render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
-                   path=str(folder), loader=loader)
+    return compare(
+        "diffusers",
+        render_once(cfg, pipe),
+        reference,
+        cfg.export.verify.tolerance,
+        out,
+        path=str(folder),
+        loader=loader,
+    )
 
 
 def export_single(cfg: Config, folder: Path, reference: np.ndarray, out: Path, info: dict, files) -> dict:
@@ -171,8 +199,15 @@ def export_single(cfg: Config, folder: Path, reference: np.ndarray, out: Path, i
         pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
     pipe.set_progress_bar_config(disable=True)
     loader = f"{type(pipe).__name__}.from_single_file"
-    return compare("single_file", render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
-                   path=str(path), loader=loader)
+    return compare(
+        "single_file",
+        render_once(cfg, pipe),
+        reference,
+        cfg.export.verify.tolerance,
+        out,
+        path=str(path),
+        loader=loader,
+    )
 
 
 def export_loras(cfg: Config, source: Path, reference: np.ndarray, out: Path, metadata: dict, files) -> dict:
@@ -190,12 +225,25 @@ def export_loras(cfg: Config, source: Path, reference: np.ndarray, out: Path, me
     device, dtype = verify_device(cfg)
     results = {}
     for name, path, kwargs in (("lora", weight, {"weight_name": weight.name}), ("lora_kohya", kohya, {})):
-        pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device, dtype,
-                             prediction_type=cfg.train.prediction_type)
+        pipe = load_pipeline(
+            cfg.model.pretrained,
+            cfg.model.revision,
+            cfg.model.variant,
+            device,
+            dtype,
+            prediction_type=cfg.train.prediction_type,
+        )
         # the folder and weight_name, the way a renamed diffusers LoRA is loaded
         pipe.load_lora_weights(str(path.parent if kwargs else path), **kwargs)
-        results[name] = compare(name, render_once(cfg, pipe), reference, cfg.export.verify.tolerance, out,
-                                path=str(path), loader="load_lora_weights")
+        results[name] = compare(
+            name,
+            render_once(cfg, pipe),
+            reference,
+            cfg.export.verify.tolerance,
+            out,
+            path=str(path),
+            loader="load_lora_weights",
+        )
     return results
 
 
@@ -227,8 +275,7 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     reference = render_once(cfg, trained_pipeline(cfg, source, components, fuse=False, dtype=dtype, device=device))
     check_reference(reference)
     compare("trained", reference, reference, e.verify.tolerance, out)
-    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out / files.diffusers,
-                              e.dtype)
+    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out / files.diffusers, e.dtype)
     formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
     if e.single_file:
         formats["single_file"] = export_single(cfg, folder, reference, out, info, files)
@@ -239,17 +286,32 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         adapter = read_lora(source)[1].get("unet", {})
         formats.update(export_loras(cfg, source, reference, out, file_metadata(cfg, info, folder, adapter), files))
     # family and base version: what the model card says was trained (kohya's names, as in the files' metadata)
-    summary = {"source": str(source), "components": components, "family": info["family"],
-               "base_model_version": base_version(folder, info["family"]), "name": e.name, "dtype": e.dtype,
-               "ema": e.ema, "verify": {**vars(e.verify), "rendered_on": device,
-                                        "render_dtype": str(dtype).removeprefix("torch.")},
-               "reference_image": str(out / "verify" / "trained.png"), "formats": formats}
+    summary = {
+        "source": str(source),
+        "components": components,
+        "family": info["family"],
+        "base_model_version": base_version(folder, info["family"]),
+        "name": e.name,
+        "dtype": e.dtype,
+        "ema": e.ema,
+        "verify": {**vars(e.verify), "rendered_on": device, "render_dtype": str(dtype).removeprefix("torch.")},
+        "reference_image": str(out / "verify" / "trained.png"),
+        "formats": formats,
+    }
     io.write_json(outputs["summary"], summary)
     for name, result in formats.items():
-        log.info("export %s: %s (mean |diff| %.3f, max %d RGB levels) %s", name, result["path"],
-                 result["mean_abs_diff"], result["max_abs_diff"], "verified" if result["verified"] else "FAILED")
+        log.info(
+            "export %s: %s (mean |diff| %.3f, max %d RGB levels) %s",
+            name,
+            result["path"],
+            result["mean_abs_diff"],
+            result["max_abs_diff"],
+            "verified" if result["verified"] else "FAILED",
+        )
     failed = [name for name, r in formats.items() if not r["verified"]]
     if failed:
-        raise UserError(f"export verification failed for {', '.join(failed)} (mean difference above "
-                        f"export.verify.tolerance = {e.verify.tolerance}); see {outputs['summary']}")
+        raise UserError(
+            f"export verification failed for {', '.join(failed)} (mean difference above "
+            f"export.verify.tolerance = {e.verify.tolerance}); see {outputs['summary']}"
+        )
     return summary

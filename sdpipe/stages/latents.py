@@ -11,14 +11,13 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import hashing, io, latent_index, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
 from sdpipe.stages import image_file, read_upstream
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -63,12 +62,16 @@ def _tokenizers(text_components: list[str]) -> list[str]:
 def _check_buckets(rows: list[dict], factor: int) -> None:
     bad = sorted({tuple(r["bucket"]) for r in rows if r["bucket"][0] % factor or r["bucket"][1] % factor})
     if bad:
-        raise UserError(f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by {factor}, the model's downsampling (VAE "
-                        f"times UNet); set prepare.buckets.step to a multiple of {factor} (and the resolution too)")
+        raise UserError(
+            f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by {factor}, the model's downsampling (VAE "
+            f"times UNet); set prepare.buckets.step to a multiple of {factor} (and the resolution too)"
+        )
 
 
 def _text_key(caption: str, model: dict, dtype: str) -> str:
-    return hashing.key_of("text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"])
+    return hashing.key_of(
+        "text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"]
+    )
 
 
 def plan(cfg: Config, rows: list[dict], captions: dict[str, dict], model: dict):
@@ -84,24 +87,43 @@ def plan(cfg: Config, rows: list[dict], captions: dict[str, dict], model: dict):
             continue
         text_key = _text_key(caption, model, lat.dtype)
         texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
-        item = {"id": row["id"], "path": row["path"], "role": row.get("role", "instance"), "bucket": row["bucket"],
-                "repeats": row["repeats"],
-                "caption": caption, "text_key": text_key, "flip_key": None,
-                "original_size": [row["height"], row["width"]]}  # SDXL's size conditioning is (h, w)
-        for flip in ([False, True] if lat.flip else [False]):
-            p = Preprocess(bucket=tuple(row["bucket"]), resize=lat.resize, crop=lat.crop,
-                           interpolation=lat.interpolation, flip=flip,
-                           background=tuple(cfg.prepare.alpha_background))
-            key = hashing.key_of("latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"],
-                                 model["variant"], lat.dtype)
+        item = {
+            "id": row["id"],
+            "path": row["path"],
+            "role": row.get("role", "instance"),
+            "bucket": row["bucket"],
+            "repeats": row["repeats"],
+            "caption": caption,
+            "text_key": text_key,
+            "flip_key": None,
+            "original_size": [row["height"], row["width"]],
+        }  # SDXL's size conditioning is (h, w)
+        for flip in [False, True] if lat.flip else [False]:
+            p = Preprocess(
+                bucket=tuple(row["bucket"]),
+                resize=lat.resize,
+                crop=lat.crop,
+                interpolation=lat.interpolation,
+                flip=flip,
+                background=tuple(cfg.prepare.alpha_background),
+            )
+            key = hashing.key_of(
+                "latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"], model["variant"], lat.dtype
+            )
             item["flip_key" if flip else "latent_key"] = key
             if not flip:
                 (resized_w, _), top, left = crop_box(row["width"], row["height"], p, row["id"])
                 item["crop_top_left"] = [top, left]
                 # A flipped latent was cut at the mirrored position: SDXL conditions on that corner.
                 item["flip_crop_top_left"] = [top, resized_w - left - row["bucket"][0]]
-            images[key] = {"kind": "image", "key": key, "id": row["id"], "path": row["path"],
-                           "file": image_file(cfg, row), "pre": p.as_key()}
+            images[key] = {
+                "kind": "image",
+                "key": key,
+                "id": row["id"],
+                "path": row["path"],
+                "file": image_file(cfg, row),
+                "pre": p.as_key(),
+            }
         items.append(item)
     return items, list(images.values()), list(texts.values()), failed
 
@@ -118,13 +140,19 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     for store in stores.values():
         store.set_aside_damaged()  # a damaged shard's entries are then missing, so encoded again
     have = {kind: set(store.scan()) for kind, store in stores.items()}
-    todo = [j for j in image_jobs if j["key"] not in have["image"]] + \
-           [j for j in text_jobs if j["key"] not in have["text"]]
+    todo = [j for j in image_jobs if j["key"] not in have["image"]] + [
+        j for j in text_jobs if j["key"] not in have["text"]
+    ]
     gpus = parallel.resolve_gpus(cfg.latents.gpus)
     devices = parallel.devices_for(gpus, cfg.latents.cpu_processes)
-    log.info("latents: %d images and %d captions to encode on %s; %d latents and %d embeddings cached",
-             sum(j["kind"] == "image" for j in todo), sum(j["kind"] == "text" for j in todo), ",".join(devices),
-             len(image_jobs) - sum(j["kind"] == "image" for j in todo), len(text_jobs) - sum(j["kind"] == "text" for j in todo))
+    log.info(
+        "latents: %d images and %d captions to encode on %s; %d latents and %d embeddings cached",
+        sum(j["kind"] == "image" for j in todo),
+        sum(j["kind"] == "text" for j in todo),
+        ",".join(devices),
+        len(image_jobs) - sum(j["kind"] == "image" for j in todo),
+        len(text_jobs) - sum(j["kind"] == "text" for j in todo),
+    )
 
     start = time.perf_counter()
     from sdpipe.stages.encode_worker import encode
@@ -149,38 +177,67 @@ def _worker_settings(cfg: Config, root: Path, processes: int) -> dict:
     from sdpipe import weights
 
     # The resolved folder, not the name: a spawned worker has no config loaded to convert a single file with.
-    return {"pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)), "revision": None,
-            "variant": cfg.model.variant, "dtype": cfg.latents.dtype, "batch_size": cfg.latents.batch_size,
-            "max_pixels": cfg.prepare.max_pixels, "latent_dir": str(root / "latents"), "text_dir": str(root / "text"),
-            "loader_threads": threads, "compile": cfg.latents.compile}
+    return {
+        "pretrained": str(weights.resolve(cfg.model.pretrained, cfg.model.revision)),
+        "revision": None,
+        "variant": cfg.model.variant,
+        "dtype": cfg.latents.dtype,
+        "batch_size": cfg.latents.batch_size,
+        "max_pixels": cfg.prepare.max_pixels,
+        "latent_dir": str(root / "latents"),
+        "text_dir": str(root / "text"),
+        "loader_threads": threads,
+        "compile": cfg.latents.compile,
+    }
 
 
 def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
     bad_paths = {f["path"] for f in failed}
-    present = lambda it: (it["latent_key"] in wheres["image"] and it["text_key"] in wheres["text"]
-                          and (it["flip_key"] is None or it["flip_key"] in wheres["image"]))
+    present = lambda it: (
+        it["latent_key"] in wheres["image"]
+        and it["text_key"] in wheres["text"]
+        and (it["flip_key"] is None or it["flip_key"] in wheres["image"])
+    )
     kept = [it for it in items if it["path"] not in bad_paths and present(it)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
     encoded = len({it["id"] for it in kept} & encoded_ids)
-    io.write_json(outputs["index"], {
-        "version": latent_index.VERSION, "model": model, "latent_store": str(Path(cfg.cache_dir) / "latents"),
-        "empty_text_key": _text_key("", model, cfg.latents.dtype),
-        "text_store": str(Path(cfg.cache_dir) / "text"), "items": kept, "failed": failed})
+    io.write_json(
+        outputs["index"],
+        {
+            "version": latent_index.VERSION,
+            "model": model,
+            "latent_store": str(Path(cfg.cache_dir) / "latents"),
+            "empty_text_key": _text_key("", model, cfg.latents.dtype),
+            "text_store": str(Path(cfg.cache_dir) / "text"),
+            "items": kept,
+            "failed": failed,
+        },
+    )
     summary = {
-        "items": len(kept), "encoded": encoded, "reused": len(kept) - encoded, "failed": len(failed),
-        "devices": devices, "seconds": round(seconds, 3),
+        "items": len(kept),
+        "encoded": encoded,
+        "reused": len(kept) - encoded,
+        "failed": len(failed),
+        "devices": devices,
+        "seconds": round(seconds, 3),
         "images_per_s": round(encoded / seconds, 3) if encoded and seconds > 0 else None,
         "images_per_s_after_warmup": _steady_rate(results),
         # What `latents.batch_size` resolved to on each device that encoded images (auto depends on free memory).
         "batch_sizes": {r["device"]: r["batch_size"] for r in results if r.get("batch_size")},
-        "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
+        "dtype": cfg.latents.dtype,
+        "flip": cfg.latents.flip,
     }
     kept_text = {it["text_key"] for it in kept}
     summary["text_encoded"] = len(kept_text & {j["key"] for j in todo if j["kind"] == "text"})
     summary["text_reused"] = len(kept_text) - summary["text_encoded"]
     io.write_json(outputs["summary"], summary)
-    log.info("latents: %d encoded, %d reused, %d failed (%s images/s)", encoded, summary["reused"], len(failed),
-             summary["images_per_s"])
+    log.info(
+        "latents: %d encoded, %d reused, %d failed (%s images/s)",
+        encoded,
+        summary["reused"],
+        len(failed),
+        summary["images_per_s"],
+    )
     _say_what_failed(failed, outputs["index"], none_kept=not kept)
     return summary
 
@@ -190,7 +247,7 @@ def _say_what_failed(failed: list[dict], index, none_kept: bool) -> None:
     if not failed:
         return
     shown = "; ".join(f"{f['path']}: {f['reason']}" for f in failed[:3])
-    more = f" (and {len(failed) - 3} more, listed under \"failed\" in {index})" if len(failed) > 3 else ""
+    more = f' (and {len(failed) - 3} more, listed under "failed" in {index})' if len(failed) > 3 else ""
     if none_kept:
         raise UserError(f"no image could be encoded: {shown}{more}")
     log.warning("latents: %d image(s) left out of training: %s%s", len(failed), shown, more)

@@ -17,12 +17,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.stages.prepare_decode import inspect_all
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -42,6 +41,7 @@ MAX_LOGGED_WARNINGS = 10
 
 # --- scanning and sidecars ---------------------------------------------------------------------------------------
 
+
 def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
     """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
     plain files are skipped, and listed in `skipped` when it is given."""
@@ -60,8 +60,9 @@ def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = N
     return sorted(images), sorted(sidecars)
 
 
-def match_sidecars(images: list[str], sidecars: list[str],
-                   caption_extensions: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+def match_sidecars(
+    images: list[str], sidecars: list[str], caption_extensions: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
     """Map image -> its sidecar (same folder and stem; the earlier extension in the config wins).
 
     "a.png.txt" also captions "a.png". Also returns sidecar -> the preferred sidecar it lost to.
@@ -96,12 +97,15 @@ def read_sidecar(path: Path) -> tuple[str | None, str | None]:
         text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
         at = bom + exc.start
-        return None, (f"not valid UTF-8 (byte 0x{data[at]:02x} at offset {at}); "
-                      "the image is kept and captioned by the next captioner")
+        return None, (
+            f"not valid UTF-8 (byte 0x{data[at]:02x} at offset {at}); "
+            "the image is kept and captioned by the next captioner"
+        )
     return " ".join(text.split()) or None, None
 
 
 # --- validation parameters --------------------------------------------------------------------------------------
+
 
 def validation_params(cfg: Config) -> dict:
     """Everything that decides a decode result; part of the cache key."""
@@ -110,6 +114,7 @@ def validation_params(cfg: Config) -> dict:
 
 
 # --- rows --------------------------------------------------------------------------------------------------------
+
 
 def kohya_folder(rel: str) -> tuple[int, str]:
     """(repeats, folder name): "10_sks dog" -> (10, "sks dog"); any other leaf folder repeats once."""
@@ -165,7 +170,9 @@ def collect(cfg: Config, raw: Path, rels: list[str], results: list[dict], sideca
     return out
 
 
-def _row(cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome) -> dict:
+def _row(
+    cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome
+) -> dict:
     from sdpipe.buckets import assign_bucket
 
     text = None
@@ -178,15 +185,24 @@ def _row(cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: s
     if warning := extension_warning(rel, info["format"]):
         out.warnings.append(warning)
     repeats, folder = kohya_folder(rel)
-    return {"id": image_id, "path": rel, "file": str(raw / rel), "role": "instance",
-            **{k: info[k] for k in DECODED_KEYS},
-            "bucket": list(assign_bucket(info["width"], info["height"], buckets)),
-            "split": split_of(image_id, cfg.prepare.eval_fraction), "repeats": repeats, "folder": folder,
-            "sidecar": text, "sidecar_path": sidecar}
+    return {
+        "id": image_id,
+        "path": rel,
+        "file": str(raw / rel),
+        "role": "instance",
+        **{k: info[k] for k in DECODED_KEYS},
+        "bucket": list(assign_bucket(info["width"], info["height"], buckets)),
+        "split": split_of(image_id, cfg.prepare.eval_fraction),
+        "repeats": repeats,
+        "folder": folder,
+        "sidecar": text,
+        "sidecar_path": sidecar,
+    }
 
 
-def sidecar_warnings(sidecars: list[str], sidecar_of: dict[str, str], out: Outcome,
-                     shadowed: dict[str, str]) -> list[str]:
+def sidecar_warnings(
+    sidecars: list[str], sidecar_of: dict[str, str], out: Outcome, shadowed: dict[str, str]
+) -> list[str]:
     """One line per sidecar that captions nothing in the manifest, saying why."""
     used = {r["sidecar_path"] for r in out.rows} | {r["path"] for r in out.rejected}
     status = {r["path"]: "was rejected" for r in out.rejected} | {d["path"]: "is a duplicate" for d in out.duplicates}
@@ -209,6 +225,7 @@ def sidecar_warnings(sidecars: list[str], sidecar_of: dict[str, str], out: Outco
 
 # --- the stage ---------------------------------------------------------------------------------------------------
 
+
 def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
     raw = Path(cfg.data.raw_dir)
     hint = f"put images there or run `sdpipe demo --out {cfg.data.raw_dir}`"
@@ -219,51 +236,85 @@ def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
     skipped: list[str] = []
     images, sidecars = scan(raw, cfg.data.caption_extensions, skipped)
     if skipped:
-        log.info("%d hidden or special entries skipped (names starting with '.', FIFOs, broken links): %s%s",
-                 len(skipped), ", ".join(skipped[:3]), ", ..." if len(skipped) > 3 else "")
+        log.info(
+            "%d hidden or special entries skipped (names starting with '.', FIFOs, broken links): %s%s",
+            len(skipped),
+            ", ".join(skipped[:3]),
+            ", ..." if len(skipped) > 3 else "",
+        )
     if not images:
-        raise UserError(f"data.raw_dir: folder {cfg.data.raw_dir} holds no image files "
-                        f"({len(sidecars)} captions, hidden files skipped); {hint}")
+        raise UserError(
+            f"data.raw_dir: folder {cfg.data.raw_dir} holds no image files "
+            f"({len(sidecars)} captions, hidden files skipped); {hint}"
+        )
     return raw, images, sidecars
 
 
 def _check_usable(cfg: Config, out: Outcome, n_images: int) -> None:
     if not out.rows:
         first = out.rejected[0]
-        raise UserError(f"data.raw_dir: none of the {n_images} image files in {cfg.data.raw_dir} is usable "
-                        f"(first: {first['path']}: {first['reason']})")
+        raise UserError(
+            f"data.raw_dir: none of the {n_images} image files in {cfg.data.raw_dir} is usable "
+            f"(first: {first['path']}: {first['reason']})"
+        )
     if not any(r["split"] == "train" for r in out.rows):
-        raise UserError(f"prepare.eval_fraction = {cfg.prepare.eval_fraction} puts all {len(out.rows)} images in "
-                        "the eval split; lower it or add images")
+        raise UserError(
+            f"prepare.eval_fraction = {cfg.prepare.eval_fraction} puts all {len(out.rows)} images in "
+            "the eval split; lower it or add images"
+        )
 
 
 def summarize(cfg: Config, out: Outcome, scanned: int, params: dict) -> dict:
     splits = Counter(r["split"] for r in out.rows)
-    return {"raw_dir": cfg.data.raw_dir, "scanned": scanned, "accepted": len(out.rows),
-            "rejected": len(out.rejected), "decoded": out.decoded, "reused": out.reused,
-            "train": splits["train"], "eval": splits["eval"], "duplicates": out.duplicates,
-            "warnings": out.warnings, "params": params,
-            "buckets": dict(sorted(Counter(f"{r['bucket'][0]}x{r['bucket'][1]}" for r in out.rows).items()))}
+    return {
+        "raw_dir": cfg.data.raw_dir,
+        "scanned": scanned,
+        "accepted": len(out.rows),
+        "rejected": len(out.rejected),
+        "decoded": out.decoded,
+        "reused": out.reused,
+        "train": splits["train"],
+        "eval": splits["eval"],
+        "duplicates": out.duplicates,
+        "warnings": out.warnings,
+        "params": params,
+        "buckets": dict(sorted(Counter(f"{r['bucket'][0]}x{r['bucket'][1]}" for r in out.rows).items())),
+    }
 
 
 def _log_outcome(out: Outcome, summary: dict, manifest: Path) -> None:
     if out.duplicates:
         shown = ", ".join(f"{d['path']} (same as {d['duplicate_of']})" for d in out.duplicates[:3])
-        log.info("%d duplicate files (identical bytes) skipped: %s%s", len(out.duplicates), shown,
-                 ", ..." if len(out.duplicates) > 3 else "")
+        log.info(
+            "%d duplicate files (identical bytes) skipped: %s%s",
+            len(out.duplicates),
+            shown,
+            ", ..." if len(out.duplicates) > 3 else "",
+        )
     for row in out.rejected[:MAX_LOGGED_WARNINGS]:
         log.warning("rejected %s: %s", row["path"], row["reason"])
     if len(out.rejected) > MAX_LOGGED_WARNINGS:
-        log.warning("... and %d more rejected; the rejected list names each with its reason",
-                    len(out.rejected) - MAX_LOGGED_WARNINGS)
+        log.warning(
+            "... and %d more rejected; the rejected list names each with its reason",
+            len(out.rejected) - MAX_LOGGED_WARNINGS,
+        )
     for line in out.warnings[:MAX_LOGGED_WARNINGS]:
         log.warning("%s", line)
     if len(out.warnings) > MAX_LOGGED_WARNINGS:
         log.warning("... and %d more warnings in the summary", len(out.warnings) - MAX_LOGGED_WARNINGS)
-    log.info("prepare: %d files scanned, %d images accepted (%d train, %d eval), %d rejected, %d duplicates; "
-             "%d decoded, %d reused -> %s", summary["scanned"], summary["accepted"], summary["train"],
-             summary["eval"], summary["rejected"], len(out.duplicates), summary["decoded"], summary["reused"],
-             manifest)
+    log.info(
+        "prepare: %d files scanned, %d images accepted (%d train, %d eval), %d rejected, %d duplicates; "
+        "%d decoded, %d reused -> %s",
+        summary["scanned"],
+        summary["accepted"],
+        summary["train"],
+        summary["eval"],
+        summary["rejected"],
+        len(out.duplicates),
+        summary["decoded"],
+        summary["reused"],
+        manifest,
+    )
 
 
 def class_rows(cfg: Config, folder: Path, instance_samples: int) -> tuple[list[dict], Outcome]:
@@ -299,8 +350,12 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
         extra, class_out = class_rows(cfg, Path(inputs["class_images"]), instance_samples)
         known = {r["id"] for r in rows}
         rows = rows + [r for r in extra if r["id"] not in known]  # an instance image wins over an equal class one
-        summary["class"] = {"accepted": len(extra), "rejected": len(class_out.rejected),
-                            "repeats": extra[0]["repeats"], "instance_samples": instance_samples}
+        summary["class"] = {
+            "accepted": len(extra),
+            "rejected": len(class_out.rejected),
+            "repeats": extra[0]["repeats"],
+            "instance_samples": instance_samples,
+        }
     io.write_jsonl(outputs["manifest"], rows)
     io.write_jsonl(outputs["rejected"], out.rejected)
     io.write_json(outputs["summary"], summary)

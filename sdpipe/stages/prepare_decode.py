@@ -64,8 +64,12 @@ def _decode(data: bytes, params: dict) -> dict:
     from sdpipe import images
 
     try:
-        rgb = images.load_rgb(data, background=tuple(params["alpha_background"]), max_pixels=params["max_pixels"],
-                              min_size=params["min_size"])
+        rgb = images.load_rgb(
+            data,
+            background=tuple(params["alpha_background"]),
+            max_pixels=params["max_pixels"],
+            min_size=params["min_size"],
+        )
         fmt, mode = _format_and_mode(data)
     except images.ImageRejected as exc:
         return {"reason": str(exc)}
@@ -116,8 +120,9 @@ def _inspect_pooled(paths: list[str], params: dict, cache_root: str, workers: in
     context = multiprocessing.get_context("spawn")
     chunk = max(1, min(64, len(paths) // (workers * 8)))
     results = []
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                             initargs=(params, cache_root)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(params, cache_root)
+    ) as pool:
         for result in pool.map(_inspect_in_worker, paths, chunksize=chunk):
             results.append(result)
             advance(1)

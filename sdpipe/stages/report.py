@@ -16,10 +16,9 @@ import os
 import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -40,8 +39,11 @@ INPUTS = {
     "eval_grid": "results/evaluate/samples/grid.png",
     "eval_prompts": "results/evaluate/samples/prompts.json",
 }
-OUTPUTS = {"html": "results/report/index.html", "markdown": "results/report/report.md",
-           "assets": "results/report/assets"}
+OUTPUTS = {
+    "html": "results/report/index.html",
+    "markdown": "results/report/report.md",
+    "assets": "results/report/assets",
+}
 
 
 def generated_at() -> str:
@@ -55,9 +57,15 @@ def build(cfg: Config, src, assets: Path) -> list:
     """All sections, in reading order; figures are written into `assets` on the way."""
     from sdpipe.report import figures, sections
 
-    return [sections.provenance(src, cfg, generated_at()), figures.training(src, assets),
-            figures.throughput(src, assets), figures.samples(src, cfg, assets), sections.metrics(src),
-            sections.data(src), sections.export(src)]
+    return [
+        sections.provenance(src, cfg, generated_at()),
+        figures.training(src, assets),
+        figures.throughput(src, assets),
+        figures.samples(src, cfg, assets),
+        sections.metrics(src),
+        sections.data(src),
+        sections.export(src),
+    ]
 
 
 def _link(assets: Path, document: Path) -> str:

@@ -14,13 +14,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.train import lifeline
 from sdpipe.train.models import MIXED
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.cluster import Topology
@@ -55,8 +54,9 @@ def preflight(cfg: Config, index: Path, out: Path, world: int) -> None:
     t = cfg.train
     sizes = accounting.count_buckets(data.sample_buckets())
     accounting.check_batch_fits(sizes, world, t.per_device_batch_size)
-    plan = accounting.plan_steps(sizes, world, t.per_device_batch_size, t.grad_accum_steps, t.max_steps, t.epochs,
-                                 t.lr_warmup_steps)
+    plan = accounting.plan_steps(
+        sizes, world, t.per_device_batch_size, t.grad_accum_steps, t.max_steps, t.epochs, t.lr_warmup_steps
+    )
     if t.mode == "lora":
         _check_lora_targets(cfg)
     if t.text_encoder.mode == "lora":
@@ -77,14 +77,18 @@ def _check_topology(cfg: Config, world: int) -> None:
 
     mn, gpus = topology(cfg), detect_gpu_count()
     if mn.machine_rank >= mn.num_machines:
-        raise UserError(f"train.multi_node.machine_rank = {mn.machine_rank} must be below num_machines = "
-                        f"{mn.num_machines}")
+        raise UserError(
+            f"train.multi_node.machine_rank = {mn.machine_rank} must be below num_machines = {mn.num_machines}"
+        )
     if world % mn.num_machines:
-        raise UserError(f"train.num_processes = {world} must be a multiple of train.multi_node.num_machines = "
-                        f"{mn.num_machines} (it counts the processes of every machine)")
+        raise UserError(
+            f"train.num_processes = {world} must be a multiple of train.multi_node.num_machines = "
+            f"{mn.num_machines} (it counts the processes of every machine)"
+        )
     if gpus and world // mn.num_machines > gpus:
-        raise UserError(f"train.num_processes = {world} needs {world // mn.num_machines} GPUs per machine but "
-                        f"{gpus} are visible")
+        raise UserError(
+            f"train.num_processes = {world} needs {world // mn.num_machines} GPUs per machine but {gpus} are visible"
+        )
 
 
 def _check_lora_targets(cfg: Config) -> None:
@@ -117,16 +121,39 @@ def _check_text_lora_targets(cfg: Config) -> None:
 
 def launch_command(cfg: Config, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:
     mn = topology(cfg)
-    loop = ["-m", "sdpipe.train.loop", "--config", str(config_path), "--index", str(index), "--out", str(out),
-            "--summary", str(summary)]
+    loop = [
+        "-m",
+        "sdpipe.train.loop",
+        "--config",
+        str(config_path),
+        "--index",
+        str(index),
+        "--out",
+        str(out),
+        "--summary",
+        str(summary),
+    ]
     if world == 1 and mn.num_machines == 1:
         # One process needs no launcher (the Accelerator sets itself up), and a launcher would wrap the loop's
         # one-line errors in its own traceback.
         return [sys.executable, *loop]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world),
-           "--num_machines", str(mn.num_machines), "--machine_rank", str(mn.machine_rank),
-           "--main_process_port", str(rendezvous_port(mn)), "--dynamo_backend", "no",
-           "--mixed_precision", MIXED[cfg.train.mixed_precision]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(world),
+        "--num_machines",
+        str(mn.num_machines),
+        "--machine_rank",
+        str(mn.machine_rank),
+        "--main_process_port",
+        str(rendezvous_port(mn)),
+        "--dynamo_backend",
+        "no",
+        "--mixed_precision",
+        MIXED[cfg.train.mixed_precision],
+    ]
     if mn.main_process_ip:
         cmd += ["--main_process_ip", mn.main_process_ip]
     if world > 1 or mn.num_machines > 1:
@@ -192,12 +219,20 @@ def _train(cfg: Config, inputs: dict[str, Path], out: Path, summary: Path, start
 
     # PYTHONSAFEPATH: `python -m` would put the working folder first on sys.path, and a project folder holding an
     # `sdpipe/` folder (a checkout, a copy) would then shadow the installed package in the training processes.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", STARTED_ENV: str(started),
-           **compile_cache_env(cfg), **environment(cfg, dict(os.environ), out)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONSAFEPATH": "1",
+        STARTED_ENV: str(started),
+        **compile_cache_env(cfg),
+        **environment(cfg, dict(os.environ), out),
+    }
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0 and world > 1:
         # The launcher ends every process once one fails, so a dead rank cannot leave the others waiting.
-        raise UserError(f"training stopped: a training process failed or was killed (launcher exit code {rc}); "
-                        "the failing rank's error is above")
+        raise UserError(
+            f"training stopped: a training process failed or was killed (launcher exit code {rc}); "
+            "the failing rank's error is above"
+        )
     if rc != 0:
         raise UserError(f"training exited with code {rc}; its error is above")

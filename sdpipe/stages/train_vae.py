@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.stages import image_file, read_upstream
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -36,11 +35,20 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     base = loading.model_index(cfg.model.pretrained, cfg.model.revision)[0]
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    stats = vae_train.train_vae(base, [Path(image_file(cfg, r)) for r in rows], Path(outputs["out"]),
-                                resolution=cfg.prepare.buckets.resolution, steps=v.steps, batch_size=v.batch_size,
-                                learning_rate=v.learning_rate, kl_weight=v.kl_weight,
-                                reconstruction=v.reconstruction, seed=cfg.seed, device=device,
-                                background=tuple(cfg.prepare.alpha_background))
+    stats = vae_train.train_vae(
+        base,
+        [Path(image_file(cfg, r)) for r in rows],
+        Path(outputs["out"]),
+        resolution=cfg.prepare.buckets.resolution,
+        steps=v.steps,
+        batch_size=v.batch_size,
+        learning_rate=v.learning_rate,
+        kl_weight=v.kl_weight,
+        reconstruction=v.reconstruction,
+        seed=cfg.seed,
+        device=device,
+        background=tuple(cfg.prepare.alpha_background),
+    )
     summary = {"images": len(rows), "device": device, **stats}
     io.write_json(outputs["summary"], summary)
     log.info("train_vae: %d images, %d steps on %s -> %s", len(rows), v.steps, device, outputs["out"])

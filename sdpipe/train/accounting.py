@@ -53,7 +53,7 @@ def bucket_key(bucket: Bucket) -> str:
 
 def count_buckets(sample_buckets: list[Bucket]) -> dict[Bucket, int]:
     """Bucket -> number of samples, from the bucket of each sample (repeats already expanded)."""
-    return dict(Counter(tuple(b) for b in sample_buckets))
+    return dict(Counter((b[0], b[1]) for b in sample_buckets))
 
 
 def micro_steps(bucket_sizes: dict[Bucket, int], micro_batch: int) -> int:
@@ -69,45 +69,69 @@ def _check_positive(**values: int) -> None:
 
 def _check_dataset(dataset_size: int, world_size: int) -> None:
     if dataset_size == 0:
-        raise UserError("train: the dataset is empty (0 samples); check data.raw_dir and the prepare stage's "
-                        "rejected list")
+        raise UserError(
+            "train: the dataset is empty (0 samples); check data.raw_dir and the prepare stage's rejected list"
+        )
     if world_size > dataset_size:
-        raise UserError(f"train.num_processes={world_size} is larger than the dataset's {dataset_size} samples, "
-                        f"so some process would never see one; use at most {dataset_size} processes")
+        raise UserError(
+            f"train.num_processes={world_size} is larger than the dataset's {dataset_size} samples, "
+            f"so some process would never see one; use at most {dataset_size} processes"
+        )
 
 
 def _total_steps(per_epoch: int, max_steps: int | None, epochs: int) -> tuple[int, int]:
     """(epochs, total optimizer steps). max_steps wins; the run then stops mid-epoch at max_steps."""
     if max_steps is not None:
         if max_steps < 1:
-            raise UserError(f"train.max_steps={max_steps} gives zero optimizer steps; set it to at least 1 "
-                            "(or null to train for train.epochs)")
+            raise UserError(
+                f"train.max_steps={max_steps} gives zero optimizer steps; set it to at least 1 "
+                "(or null to train for train.epochs)"
+            )
         return math.ceil(max_steps / per_epoch), max_steps
     if epochs < 1:
         raise UserError(f"train.epochs={epochs} gives zero optimizer steps; set it to at least 1")
     return epochs, epochs * per_epoch
 
 
-def plan_steps(bucket_sizes: dict[Bucket, int], world_size: int, per_device_batch_size: int,
-               grad_accum_steps: int, max_steps: int | None, epochs: int, warmup_steps: int = 0) -> StepPlan:
+def plan_steps(
+    bucket_sizes: dict[Bucket, int],
+    world_size: int,
+    per_device_batch_size: int,
+    grad_accum_steps: int,
+    max_steps: int | None,
+    epochs: int,
+    warmup_steps: int = 0,
+) -> StepPlan:
     """Every step count of a run. Partial batches are allowed here; `check_batch_fits` is the stricter check."""
-    _check_positive(num_processes=world_size, per_device_batch_size=per_device_batch_size,
-                    grad_accum_steps=grad_accum_steps)
-    sizes = {tuple(b): n for b, n in sorted(bucket_sizes.items()) if n > 0}
+    _check_positive(
+        num_processes=world_size, per_device_batch_size=per_device_batch_size, grad_accum_steps=grad_accum_steps
+    )
+    sizes = {(b[0], b[1]): n for b, n in sorted(bucket_sizes.items()) if n > 0}
     dataset_size = sum(sizes.values())
     _check_dataset(dataset_size, world_size)
     micro = micro_steps(sizes, world_size * per_device_batch_size)
     per_epoch = math.ceil(micro / grad_accum_steps)
     n_epochs, total = _total_steps(per_epoch, max_steps, epochs)
     if warmup_steps > total:
-        raise UserError(f"train.lr_warmup_steps={warmup_steps} is longer than the run's {total} optimizer steps; "
-                        f"lower it to at most {total} or train longer")
+        raise UserError(
+            f"train.lr_warmup_steps={warmup_steps} is longer than the run's {total} optimizer steps; "
+            f"lower it to at most {total} or train longer"
+        )
     return StepPlan(
-        dataset_size=dataset_size, buckets={bucket_key(b): n for b, n in sizes.items()}, world_size=world_size,
-        per_device_batch_size=per_device_batch_size, grad_accum_steps=grad_accum_steps,
-        global_batch_size=world_size * per_device_batch_size * grad_accum_steps, micro_steps_per_epoch=micro,
-        optimizer_steps_per_epoch=per_epoch, epochs=n_epochs, total_optimizer_steps=total,
-        lr_schedule_steps=total, warmup_steps=warmup_steps, samples_per_epoch=dataset_size)
+        dataset_size=dataset_size,
+        buckets={bucket_key(b): n for b, n in sizes.items()},
+        world_size=world_size,
+        per_device_batch_size=per_device_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        global_batch_size=world_size * per_device_batch_size * grad_accum_steps,
+        micro_steps_per_epoch=micro,
+        optimizer_steps_per_epoch=per_epoch,
+        epochs=n_epochs,
+        total_optimizer_steps=total,
+        lr_schedule_steps=total,
+        warmup_steps=warmup_steps,
+        samples_per_epoch=dataset_size,
+    )
 
 
 def check_batch_fits(bucket_sizes: dict[Bucket, int], world_size: int, per_device_batch_size: int) -> None:
@@ -116,7 +140,7 @@ def check_batch_fits(bucket_sizes: dict[Bucket, int], world_size: int, per_devic
     Smaller buckets may still run partial batches; this only catches a batch no bucket could ever fill, which
     almost always means a typo or a config written for a bigger dataset.
     """
-    sizes = {tuple(b): n for b, n in bucket_sizes.items() if n > 0}
+    sizes = {(b[0], b[1]): n for b, n in bucket_sizes.items() if n > 0}
     if not sizes:
         _check_dataset(0, world_size)
     bucket, largest = max(sorted(sizes.items()), key=lambda item: item[1])
@@ -124,10 +148,11 @@ def check_batch_fits(bucket_sizes: dict[Bucket, int], world_size: int, per_devic
     if micro <= largest:
         return
     fits = largest // world_size
-    fix = (f"lower it to at most {fits}" if fits >= 1
-           else f"set it to 1 and train.num_processes to at most {largest}")
-    raise UserError(f"train.per_device_batch_size={per_device_batch_size} x {world_size} processes = {micro} samples "
-                    f"per global batch, but the largest bucket {bucket_key(bucket)} holds only {largest}; {fix}")
+    fix = f"lower it to at most {fits}" if fits >= 1 else f"set it to 1 and train.num_processes to at most {largest}"
+    raise UserError(
+        f"train.per_device_batch_size={per_device_batch_size} x {world_size} processes = {micro} samples "
+        f"per global batch, but the largest bucket {bucket_key(bucket)} holds only {largest}; {fix}"
+    )
 
 
 def sync_now(micro_steps_done: int, last_of_epoch: bool, grad_accum_steps: int) -> bool:

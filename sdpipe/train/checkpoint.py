@@ -75,8 +75,10 @@ def check_compatible(state: dict, model_id: dict, path: Path) -> None:
     """A checkpoint of another base model or another training mode cannot be resumed."""
     theirs = state.get("model_id")
     if theirs != model_id:
-        raise UserError(f"checkpoint {path} was trained from another model or mode ({theirs}); this run is "
-                        f"{model_id}. Set train.resume: null to start fresh, or delete the old checkpoints")
+        raise UserError(
+            f"checkpoint {path} was trained from another model or mode ({theirs}); this run is "
+            f"{model_id}. Set train.resume: null to start fresh, or delete the old checkpoints"
+        )
 
 
 def restore_metrics(path: Path, metrics: Path, is_main: bool) -> None:
@@ -99,17 +101,24 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Pa
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         free_mb = shutil.disk_usage(root).free / 1e6
-        raise UserError(f"the disk is full: checkpoint {final.name} could not be saved under {root} ({free_mb:.0f} MB "
-                        f"free); free space (or lower train.keep_checkpoints), then rerun: training resumes from the "
-                        f"last complete checkpoint") from exc
+        raise UserError(
+            f"the disk is full: checkpoint {final.name} could not be saved under {root} ({free_mb:.0f} MB "
+            f"free); free space (or lower train.keep_checkpoints), then rerun: training resumes from the "
+            f"last complete checkpoint"
+        ) from exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if metrics is not None and metrics.is_file():
             shutil.copyfile(metrics, tmp / "metrics.csv")
         started = time.perf_counter()
         sums = file_sums(tmp)  # what resume verifies before it trusts this checkpoint
-        log.info("checkpoint %s: %d files, %.1f MB hashed in %.2f s", final.name, len(sums),
-                 sum(size for size, _ in sums.values()) / 1e6, time.perf_counter() - started)
+        log.info(
+            "checkpoint %s: %d files, %.1f MB hashed in %.2f s",
+            final.name,
+            len(sums),
+            sum(size for size, _ in sums.values()) / 1e6,
+            time.perf_counter() - started,
+        )
         io.write_json(tmp / STATE_FILE, {**state, "files": sums})  # written last: it marks the folder complete
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -7,6 +7,7 @@ trained). Shards are memory-mapped safetensors files, so a batch costs a few pag
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class LatentData:
         self.where = {kind: io.read_json(root / "index.json")["keys"] for kind, root in stores.items()}
         self.roots = stores
         self.stores = {kind: ShardStore(root) for kind, root in stores.items()} if verify else {}
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}  # shard -> safetensors' safe_open handle
         # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
         self.sample_items = [i for i, item in enumerate(self.items) for _ in range(item["repeats"])]
         # DreamBooth prior preservation: a class image's loss counts prior_loss_weight times an instance image's.
@@ -72,14 +73,22 @@ class LatentData:
         items = [self.items[self.sample_items[s]] for s in samples]
         keys = [it["flip_key"] if flip and it["flip_key"] else it["latent_key"] for it, flip in zip(items, flips)]
         raw = torch.stack([self._tensor("latent", k, "latent") for k in keys]).float()
-        out = {"latents": (raw - self.latent_shift) * self.latent_scale,
-               "weight": torch.tensor([self.loss_weight[self.sample_items[s]] for s in samples])}
-        texts = [self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
-                 for it, drop in zip(items, drop_caption)]
+        out = {
+            "latents": (raw - self.latent_shift) * self.latent_scale,
+            "weight": torch.tensor([self.loss_weight[self.sample_items[s]] for s in samples]),
+        }
+        texts = [
+            self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
+            for it, drop in zip(items, drop_caption)
+        ]
         for field in self.empty:
             out[field] = torch.stack([t[field] for t in texts]).float()
-        crops = [it["flip_crop_top_left"] if flip and it["flip_key"] else it["crop_top_left"]
-                 for it, flip in zip(items, flips)]
-        out["time_ids"] = torch.tensor([[*it["original_size"], *crop, it["bucket"][1], it["bucket"][0]]
-                                        for it, crop in zip(items, crops)], dtype=torch.float32)  # SDXL (h, w) order
+        crops = [
+            it["flip_crop_top_left"] if flip and it["flip_key"] else it["crop_top_left"]
+            for it, flip in zip(items, flips)
+        ]
+        out["time_ids"] = torch.tensor(
+            [[*it["original_size"], *crop, it["bucket"][1], it["bucket"][0]] for it, crop in zip(items, crops)],
+            dtype=torch.float32,
+        )  # SDXL (h, w) order
         return out

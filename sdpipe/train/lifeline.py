@@ -69,8 +69,10 @@ def run_lock(out: Path, rank_wait_s: float = 60.0) -> Iterator[None]:
         for name in (RANKS_LOCK, RANK_LOCK):
             rank = _take(out / name, rank_wait_s)
             if rank is None:
-                raise UserError(f"training processes of an earlier run still hold {out / name} after "
-                                f"{rank_wait_s:.0f} s; stop them (fuser -k {out / name}), then rerun")
+                raise UserError(
+                    f"training processes of an earlier run still hold {out / name} after "
+                    f"{rank_wait_s:.0f} s; stop them (fuser -k {out / name}), then rerun"
+                )
             os.close(rank)  # free for this run's ranks
         yield
     finally:

@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -21,16 +22,30 @@ from sdpipe.errors import UserError
 from sdpipe.log import progress
 from sdpipe.train import accounting, checkpoint, lifeline, objective, trackers
 from sdpipe.train.data import LatentData
-from sdpipe.train.models import (MIXED, build_ema, build_lr_scheduler, build_optimizer, build_text_stack,
-                                 build_unet, compile_mode, resolve_compile, save_final, trainable, training_forward)
+from sdpipe.train.models import (
+    MIXED,
+    build_ema,
+    build_lr_scheduler,
+    build_optimizer,
+    build_text_stack,
+    build_unet,
+    compile_mode,
+    resolve_compile,
+    save_final,
+    trainable,
+    training_forward,
+)
 from sdpipe.train.prefetch import Prefetcher
 from sdpipe.train.sampler import BucketSampler, SamplerState, rank_slice
 from sdpipe.train.telemetry import Telemetry, check_finite
 
-from typing import TYPE_CHECKING
-
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from diffusers import SchedulerMixin
+    from diffusers.training_utils import EMAModel
+
     from sdpipe.config import Config
+    from sdpipe.models.loading import TextStack
 
 log = logging.getLogger("sdpipe.train")
 
@@ -39,28 +54,28 @@ log = logging.getLogger("sdpipe.train")
 class Run:
     """Everything the loop needs, built once."""
 
-    cfg: object
-    accelerator: object
+    cfg: Config
+    accelerator: Accelerator
     data: LatentData
     plan: accounting.StepPlan
     sampler: BucketSampler
-    unet: object
-    noise_scheduler: object
-    optimizer: object
-    lr_scheduler: object
+    unet: torch.nn.Module
+    noise_scheduler: SchedulerMixin
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     out: Path
     model_id: dict
     prediction_type: str
-    state: SamplerState = None
+    state: SamplerState = None  # type: ignore[assignment]  # set by resume(), before the loop reads it
     step: int = 0
-    telemetry: Telemetry = None
-    ckpt_dir: Path = None
-    ema: object = None
-    advance_bar: object = None
-    text: object = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
-    forward: object = None  # what the training step calls: the (wrapped) UNet, torch.compile'd on GPUs by default
+    telemetry: Telemetry = None  # type: ignore[assignment]  # set once the loop starts
+    ckpt_dir: Path = None  # type: ignore[assignment]  # set by build()
+    ema: EMAModel | None = None
+    advance_bar: Callable[[int], None] | None = None
+    text: TextStack | None = None  # the TextStack being trained (train.text_encoder.mode), else None: cached embeddings
+    forward: Callable[..., Any] = None  # type: ignore[assignment]  # the (wrapped) UNet the step calls, compiled on GPUs
     pad_to: int = 0  # a compiled step pads short batches to this size (zero loss weight): one shape, no recompile
-    prefetch: object = None  # a Prefetcher loading the next batches in the background (while training), else None
+    prefetch: Prefetcher | None = None  # loads the next batches in the background (while training), else None
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
@@ -75,20 +90,37 @@ class Run:
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.
-OPERATIONAL = ("num_processes", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "multi_node", "compile",
-               "tracker", "tracker_project", "validation", "ddp", "save_final")
+OPERATIONAL = (
+    "num_processes",
+    "resume",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "multi_node",
+    "compile",
+    "tracker",
+    "tracker_project",
+    "validation",
+    "ddp",
+    "save_final",
+)
 
 
 def model_id(cfg: Config, data: LatentData) -> dict:
     """What a checkpoint must match to be resumed: the base model's weights and what is being trained."""
     te = cfg.train.text_encoder
     lora = cfg.train.mode == "lora" or te.mode == "lora"
-    return {"vae_sha256": data.index["model"]["vae_sha256"], "pretrained": cfg.model.pretrained,
-            "mode": cfg.train.mode, "lora": vars(cfg.train.lora) if lora else None,
-            "text_encoder": vars(te) if te.mode != "none" else None,
-            "prior_loss_weight": cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else None,
-            # These change what a checkpoint holds (an EMA copy; a GradScaler), so accelerate cannot load across them.
-            "ema": cfg.train.ema.enabled, "fp16": cfg.train.mixed_precision == "fp16"}
+    return {
+        "vae_sha256": data.index["model"]["vae_sha256"],
+        "pretrained": cfg.model.pretrained,
+        "mode": cfg.train.mode,
+        "lora": vars(cfg.train.lora) if lora else None,
+        "text_encoder": vars(te) if te.mode != "none" else None,
+        "prior_loss_weight": cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else None,
+        # These change what a checkpoint holds (an EMA copy; a GradScaler), so accelerate cannot load across them.
+        "ema": cfg.train.ema.enabled,
+        "fp16": cfg.train.mixed_precision == "fp16",
+    }
 
 
 def checkpoint_dir(cfg: Config, out: Path, ident: dict, data: LatentData) -> Path:
@@ -110,18 +142,32 @@ def build(cfg: Config, index: Path, out: Path) -> Run:
     # cpu=True on a CPU-only machine: without it accelerate treats each process launched with --multi_gpu as a
     # lone single process instead of one gloo rank of several.
     tracker = None if cfg.train.tracker == "none" else cfg.train.tracker
-    accelerator = Accelerator(mixed_precision=MIXED[cfg.train.mixed_precision], project_dir=str(out),
-                              cpu=not torch.cuda.is_available(), log_with=tracker, kwargs_handlers=ddp_kwargs(cfg))
+    accelerator = Accelerator(
+        mixed_precision=MIXED[cfg.train.mixed_precision],
+        project_dir=str(out),
+        cpu=not torch.cuda.is_available(),
+        log_with=tracker,
+        kwargs_handlers=ddp_kwargs(cfg),
+    )
     set_seed(cfg.seed)  # the LoRA init and anything else not driven by per-sample generators
     # Rank 0 verifies each cache shard as it first opens it: one pass over the cache; every rank reads the same files.
-    data = LatentData(index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0,
-                      verify=accelerator.is_main_process)
+    data = LatentData(
+        index, cfg.dreambooth.prior_loss_weight if cfg.dreambooth.enabled else 1.0, verify=accelerator.is_main_process
+    )
     t, world = cfg.train, accelerator.num_processes
     buckets = data.sample_buckets()
-    plan = accounting.plan_steps(accounting.count_buckets(buckets), world, t.per_device_batch_size, t.grad_accum_steps,
-                                 t.max_steps, t.epochs, t.lr_warmup_steps)
-    cfg = resolve_compile(cfg, accelerator.device,
-                          plan.total_optimizer_steps * t.per_device_batch_size * t.grad_accum_steps)
+    plan = accounting.plan_steps(
+        accounting.count_buckets(buckets),
+        world,
+        t.per_device_batch_size,
+        t.grad_accum_steps,
+        t.max_steps,
+        t.epochs,
+        t.lr_warmup_steps,
+    )
+    cfg = resolve_compile(
+        cfg, accelerator.device, plan.total_optimizer_steps * t.per_device_batch_size * t.grad_accum_steps
+    )
     unet, text = build_unet(cfg, accelerator.device), build_text_stack(cfg, accelerator.device)
     encoders = text.encoders if text else []
     noise_scheduler = loading.load_noise_scheduler(cfg.model.pretrained, cfg.model.revision)
@@ -137,9 +183,25 @@ def build(cfg: Config, index: Path, out: Path) -> Run:
     prediction = t.prediction_type or noise_scheduler.config.prediction_type
     ident = model_id(cfg, data)
     forward = training_forward(cfg, unet, accelerator.device)
-    return Run(cfg, accelerator, data, plan, sampler, unet, noise_scheduler, optimizer, lr_scheduler, out,
-               ident, prediction, ckpt_dir=checkpoint_dir(cfg, out, ident, data), ema=ema, text=text,
-               forward=forward, pad_to=t.per_device_batch_size if forward is not unet else 0)
+    return Run(
+        cfg,
+        accelerator,
+        data,
+        plan,
+        sampler,
+        unet,
+        noise_scheduler,
+        optimizer,
+        lr_scheduler,
+        out,
+        ident,
+        prediction,
+        ckpt_dir=checkpoint_dir(cfg, out, ident, data),
+        ema=ema,
+        text=text,
+        forward=forward,
+        pad_to=t.per_device_batch_size if forward is not unet else 0,
+    )
 
 
 def ddp_kwargs(cfg: Config) -> list:
@@ -151,9 +213,12 @@ def ddp_kwargs(cfg: Config) -> list:
     d = cfg.train.ddp
     # SDXL conditions on the penultimate layer of its first text encoder, so when that encoder trains, its last
     # layer gets no gradient: DDP must expect that.
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.train.text_encoder.mode != "none",
-                                        bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
-                                        gradient_as_bucket_view=d.gradient_as_bucket_view)
+    ddp = DistributedDataParallelKwargs(
+        find_unused_parameters=cfg.train.text_encoder.mode != "none",
+        bucket_cap_mb=d.bucket_cap_mb,
+        static_graph=d.static_graph,
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+    )
     # The timeout bounds how long the live ranks wait in a collective for one that died or hangs (the launcher
     # ends them all when a process exits with an error; this covers a process that stops without exiting).
     return [ddp, InitProcessGroupKwargs(timeout=timedelta(seconds=d.timeout_s))]
@@ -172,11 +237,14 @@ def resume(run: Run) -> None:
             raise UserError(f"train.resume: checkpoint {candidate} cannot be used: {why}")
         log.warning("checkpoint %s cannot be used (%s); trying the one before it", candidate, why)
     if path is None and half_loaded:  # the model may hold part of a failed load: no clean start from here
-        raise UserError(f"no checkpoint under {run.ckpt_dir} could be loaded (see the lines above); move them away "
-                        f"to train from the start")
+        raise UserError(
+            f"no checkpoint under {run.ckpt_dir} could be loaded (see the lines above); move them away "
+            f"to train from the start"
+        )
     if path is None:
-        run.state = SamplerState(epoch=0, batches_done=0, global_batch=run.sampler.global_batch, seen=[],
-                                 samples_seen_total=0)
+        run.state = SamplerState(
+            epoch=0, batches_done=0, global_batch=run.sampler.global_batch, seen=[], samples_seen_total=0
+        )
         return
     saved = checkpoint.read_state(path)
     checkpoint.match_state_layout(run.optimizer)  # the weights' layout may differ from the saving run's
@@ -186,8 +254,7 @@ def resume(run: Run) -> None:
     run.step = saved["step"]
     run.state = run.sampler.resume(SamplerState.from_dict(saved["sampler"]))
     if run.accelerator.is_main_process:
-        log.info("resumed from %s at optimizer step %d (%d samples seen)", path, run.step,
-                 run.state.samples_seen_total)
+        log.info("resumed from %s at optimizer step %d (%d samples seen)", path, run.step, run.state.samples_seen_total)
 
 
 def _load(run: Run, path: Path) -> str | None:
@@ -205,8 +272,9 @@ def _load(run: Run, path: Path) -> str | None:
     return None
 
 
-def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int,
-               ahead: list[tuple[int, list[int]]] = ()) -> torch.Tensor:
+def micro_step(
+    run: Run, indices: list[int], step_samples: int, epoch: int, ahead: list[tuple[int, list[int]]] | None = None
+) -> torch.Tensor:
     """Forward and backward for this rank's share of one global batch; return the sum of its sample losses (a
     device tensor: reading it would make the host wait for the GPU, so only the telemetry does, every log_every).
     `ahead` is this rank's next (epoch, indices), which the prefetcher (when training) loads meanwhile.
@@ -220,14 +288,18 @@ def micro_step(run: Run, indices: list[int], step_samples: int, epoch: int,
         if run.prefetch is None:
             batch, draws = load_batch(run, indices, epoch)
         else:
-            wanted = [(epoch, indices)] + [(e, padded(run, ix)[0]) for e, ix in ahead]
+            wanted = [(epoch, indices)] + [(e, padded(run, ix)[0]) for e, ix in ahead or []]
             batch, draws = (_to_device(part, acc.device) for part in run.prefetch.get(wanted))
     batch["weight"][real:] = 0.0
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
             batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
-    losses = objective.sample_losses(run.forward, run.noise_scheduler, batch["latents"], draws, batch, t,
-                                     run.prediction_type, acc.autocast) * batch["weight"]
+    losses = (
+        objective.sample_losses(
+            run.forward, run.noise_scheduler, batch["latents"], draws, batch, t, run.prediction_type, acc.autocast
+        )
+        * batch["weight"]
+    )
     acc.backward(losses.sum() * weight * acc.num_processes / step_samples)
     return losses.detach().sum() * weight
 
@@ -294,17 +366,27 @@ def maybe_validate(run: Run) -> None:
     from sdpipe.train.validation import render
 
     size = v.resolution or [run.cfg.prepare.buckets.resolution] * 2
-    path = render(run.accelerator, run.trained(), run.cfg, run.step, run.out / "samples", v.prompts, v.seeds, v.steps,
-                  v.guidance, tuple(size))
+    path = render(
+        run.accelerator,
+        run.trained(),
+        run.cfg,
+        run.step,
+        run.out / "samples",
+        v.prompts,
+        v.seeds,
+        v.steps,
+        v.guidance,
+        (size[0], size[1]),
+    )
     if path is not None:
         log.info("samples at step %d: %s", run.step, path)
 
 
 def save_checkpoint(run: Run) -> None:
-    state = {"step": run.step, "sampler": run.state.to_dict(), "model_id": run.model_id,
-             "plan": run.plan.as_dict()}
-    checkpoint.save(run.accelerator, run.ckpt_dir, run.step, state, run.cfg.train.keep_checkpoints,
-                    run.out / "metrics.csv")
+    state = {"step": run.step, "sampler": run.state.to_dict(), "model_id": run.model_id, "plan": run.plan.as_dict()}
+    checkpoint.save(
+        run.accelerator, run.ckpt_dir, run.step, state, run.cfg.train.keep_checkpoints, run.out / "metrics.csv"
+    )
 
 
 def train_epoch(run: Run) -> bool:
@@ -313,12 +395,19 @@ def train_epoch(run: Run) -> bool:
     epoch = run.state.epoch
     remaining = run.sampler.remaining(run.state)
     for start in range(0, len(remaining), k):
-        group = remaining[start:start + k]
-        loss_sum, samples, step_samples = 0, 0, sum(len(c) for c in group)
+        group = remaining[start : start + k]
+        loss_sum: torch.Tensor | int = 0  # the sum of this rank's sample losses, on its device
+        samples, step_samples = 0, sum(len(c) for c in group)
         for j, chunk in enumerate(group):
             mine = rank_slice(chunk, acc.process_index, acc.num_processes)
-            ahead = [(e, rank_slice(c, acc.process_index, acc.num_processes))
-                     for e, c in run.sampler.upcoming(run.state, 1 + run.prefetch.depth)[1:]] if run.prefetch else []
+            ahead = (
+                [
+                    (e, rank_slice(c, acc.process_index, acc.num_processes))
+                    for e, c in run.sampler.upcoming(run.state, 1 + run.prefetch.depth)[1:]
+                ]
+                if run.prefetch
+                else []
+            )
             # Gradients are all-reduced only on the last micro-step of the optimizer step.
             with contextlib.ExitStack() as stack:
                 if j < len(group) - 1:
@@ -329,7 +418,8 @@ def train_epoch(run: Run) -> bool:
             run.state = run.sampler.advance(run.state, chunk)
         optimizer_step(run)
         run.telemetry.step(run, loss_sum, samples, step_samples)
-        run.advance_bar(1)
+        if run.advance_bar:
+            run.advance_bar(1)
         with run.telemetry.paused():
             maybe_validate(run)
             every = run.cfg.train.checkpoint_every
@@ -354,14 +444,27 @@ def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -
     if not run.accelerator.is_main_process:
         return
     p = run.plan
-    summary = {**p.as_dict(), "world_size": p.world_size, "per_device_batch_size": p.per_device_batch_size,
-               "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
-               "optimizer_steps": run.step, "epochs": p.epochs, "epochs_started": run.state.epoch + 1,
-               "samples_seen": run.state.samples_seen_total, "samples_this_run": samples_this_run,
-               "seconds": round(seconds, 3), **run.telemetry.rates(),
-               "compile": compile_mode(run.cfg, run.accelerator.device), "mode": run.cfg.train.mode, "mixed_precision": run.cfg.train.mixed_precision,
-               "prediction_type": run.prediction_type, "device": str(run.accelerator.device),
-               "peak_memory_mb": run.telemetry.peak_memory_mb(), "cuda_alloc_retries": run.telemetry.alloc_retries()}
+    summary = {
+        **p.as_dict(),
+        "world_size": p.world_size,
+        "per_device_batch_size": p.per_device_batch_size,
+        "grad_accum_steps": p.grad_accum_steps,
+        "global_batch_size": p.global_batch_size,
+        "optimizer_steps": run.step,
+        "epochs": p.epochs,
+        "epochs_started": run.state.epoch + 1,
+        "samples_seen": run.state.samples_seen_total,
+        "samples_this_run": samples_this_run,
+        "seconds": round(seconds, 3),
+        **run.telemetry.rates(),
+        "compile": compile_mode(run.cfg, run.accelerator.device),
+        "mode": run.cfg.train.mode,
+        "mixed_precision": run.cfg.train.mixed_precision,
+        "prediction_type": run.prediction_type,
+        "device": str(run.accelerator.device),
+        "peak_memory_mb": run.telemetry.peak_memory_mb(),
+        "cuda_alloc_retries": run.telemetry.alloc_retries(),
+    }
     io.write_json(path, summary)
 
 
@@ -369,9 +472,13 @@ def warn_about_alloc_retries(run: Run) -> None:
     """Rank 0 warns for its GPU (the ranks run the same shapes, so their allocators behave alike)."""
     retries = run.telemetry.alloc_retries()
     if retries and run.accelerator.is_main_process:
-        log.warning("the CUDA allocator ran out of cached memory %d times in %d optimizer steps and synchronised "
-                    "the GPU each time; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller "
-                    "train.per_device_batch_size avoids it", retries, run.step)
+        log.warning(
+            "the CUDA allocator ran out of cached memory %d times in %d optimizer steps and synchronised "
+            "the GPU each time; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller "
+            "train.per_device_batch_size avoids it",
+            retries,
+            run.step,
+        )
 
 
 STARTED_ENV = "SDPIPE_STAGE_STARTED"  # `sdpipe train` sets it (time.time()) before it launches this process
@@ -410,17 +517,28 @@ def main(argv: list[str] | None = None) -> int:
         log.info("\n%s", accounting.summary_block(run.plan))
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
         todo = run.plan.total_optimizer_steps - run.step
-        with (progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar,
-              Prefetcher(lambda epoch, indices: host_batch(run, indices, epoch)) as run.prefetch):
+        with (
+            progress(todo if run.accelerator.is_main_process else 0, "training") as run.advance_bar,
+            Prefetcher(lambda epoch, indices: host_batch(run, indices, epoch)) as run.prefetch,
+        ):
             while not finished(run) and not train_epoch(run):
                 pass
         if run.cfg.train.save_final:
-            save_final(run.accelerator, run.trained(), run.modes(), run.out / "final", run.ema,
-                       {"base": run.cfg.model.pretrained, "family": run.data.index["model"]["family"],
-                        "prediction_type": run.prediction_type, "optimizer_steps": run.step})
+            save_final(
+                run.accelerator,
+                run.trained(),
+                run.modes(),
+                run.out / "final",
+                run.ema,
+                {
+                    "base": run.cfg.model.pretrained,
+                    "family": run.data.index["model"]["family"],
+                    "prediction_type": run.prediction_type,
+                    "optimizer_steps": run.step,
+                },
+            )
         warn_about_alloc_retries(run)
-        write_summary(run, Path(args.summary), time.perf_counter() - start,
-                      run.state.samples_seen_total - seen_before)
+        write_summary(run, Path(args.summary), time.perf_counter() - start, run.state.samples_seen_total - seen_before)
         run.telemetry.close()
         run.accelerator.end_training()
     except UserError as exc:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -21,16 +21,26 @@ def _check_targets(model, targets: list[str], key: str, typical: str) -> None:
         raise UserError(f"{key}: {missing} match no module of this model (typical: {typical})")
 
 
-def add_lora(model, lora_cfg, target_modules: list[str] | None = None, key: str = "train.lora.target_modules",
-             typical: str = "to_q, to_k, to_v, to_out.0") -> None:
+def add_lora(
+    model,
+    lora_cfg,
+    target_modules: list[str] | None = None,
+    key: str = "train.lora.target_modules",
+    typical: str = "to_q, to_k, to_v, to_out.0",
+) -> None:
     """Freeze `model` (a UNet or a text encoder) and add peft LoRA adapters on the target modules."""
     from peft import LoraConfig
 
     targets = list(target_modules or lora_cfg.target_modules)
     _check_targets(model, targets, key, typical)
     model.requires_grad_(False)
-    config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                        init_lora_weights="gaussian", target_modules=targets)
+    config = LoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        init_lora_weights="gaussian",
+        target_modules=targets,
+    )
     if hasattr(model, "set_adapters"):  # a diffusers model
         model.add_adapter(config)
     else:
@@ -43,15 +53,21 @@ def add_lora(model, lora_cfg, target_modules: list[str] | None = None, key: str 
 
 
 def add_text_lora(encoder, cfg: Config) -> None:
-    add_lora(encoder, cfg.train.lora, cfg.train.text_encoder.lora_target_modules,
-             "train.text_encoder.lora_target_modules", "q_proj, k_proj, v_proj, out_proj")
+    add_lora(
+        encoder,
+        cfg.train.lora,
+        cfg.train.text_encoder.lora_target_modules,
+        "train.text_encoder.lora_target_modules",
+        "q_proj, k_proj, v_proj, out_proj",
+    )
 
 
 def build_unet(cfg: Config, device):
     from sdpipe.models import loading
 
-    unet = loading.load_unet(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, dtype=torch.float32,
-                             device="cpu")
+    unet = loading.load_unet(
+        cfg.model.pretrained, cfg.model.revision, cfg.model.variant, dtype=torch.float32, device="cpu"
+    )
     if cfg.train.mode == "lora":
         add_lora(unet, cfg.train.lora)
     if cfg.train.gradient_checkpointing:
@@ -130,8 +146,9 @@ def build_text_stack(cfg: Config, device):
     mode = cfg.train.text_encoder.mode
     if mode == "none":
         return None
-    stack = loading.load_text_stack(cfg.model.pretrained, cfg.model.revision, cfg.model.variant,
-                                    dtype=torch.float32, device="cpu")
+    stack = loading.load_text_stack(
+        cfg.model.pretrained, cfg.model.revision, cfg.model.variant, dtype=torch.float32, device="cpu"
+    )
     for encoder in stack.encoders:
         if mode == "lora":
             add_text_lora(encoder, cfg)
@@ -150,12 +167,22 @@ def build_optimizer(cfg: Config, unet, text_encoders: list) -> torch.optim.Optim
     Fused on GPUs and CPUs alike: one kernel per parameter group instead of a dozen ops per tensor (on the 2-core
     CPU the demo's tiny step is about 10 % faster)."""
     t = cfg.train
-    groups = [{"params": trainable(unet)}]
+    groups: list[dict[str, Any]] = [{"params": trainable(unet)}]
     if text_encoders:
-        groups.append({"params": [p for e in text_encoders for p in trainable(e)],
-                       "lr": t.text_encoder.learning_rate or t.learning_rate})
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                             weight_decay=t.adam_weight_decay, eps=t.adam_epsilon, fused=True)
+        groups.append(
+            {
+                "params": [p for e in text_encoders for p in trainable(e)],
+                "lr": t.text_encoder.learning_rate or t.learning_rate,
+            }
+        )
+    return torch.optim.AdamW(
+        groups,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+        fused=True,
+    )
 
 
 def build_lr_scheduler(cfg: Config, optimizer, total_steps: int):
@@ -163,8 +190,9 @@ def build_lr_scheduler(cfg: Config, optimizer, total_steps: int):
     would step it once per process and end the schedule early on several GPUs (the known trap)."""
     from diffusers.optimization import get_scheduler
 
-    return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.lr_warmup_steps,
-                         num_training_steps=total_steps)
+    return get_scheduler(
+        cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=total_steps
+    )
 
 
 def build_ema(cfg: Config, params: list, accelerator):
@@ -187,8 +215,10 @@ def _lora_layers(name: str, model) -> dict:
     from peft.utils import get_peft_model_state_dict
 
     # The adapter metadata carries lora_alpha: without it diffusers reloads with alpha = rank (wrong scale).
-    return {f"{name}_lora_layers": get_peft_model_state_dict(model),
-            f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict()}
+    return {
+        f"{name}_lora_layers": get_peft_model_state_dict(model),
+        f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict(),
+    }
 
 
 def _save_weights(models: dict, modes: dict, folder) -> None:

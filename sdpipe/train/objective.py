@@ -9,11 +9,10 @@ its resume sees exactly what an uninterrupted run would.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers.training_utils import compute_snr
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import TrainConfig
@@ -24,7 +23,9 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def draw(
+    shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg: TrainConfig
+) -> dict[str, torch.Tensor]:
     """Noise [B,C,H,W], timesteps [B] and a caption-dropout mask [B], one generator per sample (on the CPU)."""
     c, h, w = shape
     noise, steps, drop = [], [], []
@@ -43,7 +44,9 @@ def draw(shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps
 
 def noisy_input(scheduler, latents: torch.Tensor, draws: dict, input_perturbation: float) -> torch.Tensor:
     noise = draws["noise"]
-    if input_perturbation:  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target
+    if (
+        input_perturbation
+    ):  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target
         noise = noise + input_perturbation * draws["perturb"]
     return scheduler.add_noise(latents, noise, draws["timesteps"])
 
@@ -54,8 +57,9 @@ def target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: tor
     return scheduler.get_velocity(latents, noise, timesteps)
 
 
-def sample_losses(forward, scheduler, latents: torch.Tensor, draws: dict, cond: dict, t, prediction_type: str,
-                  autocast) -> torch.Tensor:
+def sample_losses(
+    forward, scheduler, latents: torch.Tensor, draws: dict, cond: dict, t, prediction_type: str, autocast
+) -> torch.Tensor:
     """The training objective for one batch: per-sample losses [B] of `forward` (the UNet, compiled or not).
 
     `cond` holds the text states ("hidden"; SDXL also "pooled" and "time_ids"); `t` is the train config; `autocast`
@@ -69,8 +73,14 @@ def sample_losses(forward, scheduler, latents: torch.Tensor, draws: dict, cond: 
     return per_sample_loss(pred, tgt, scheduler, draws["timesteps"], prediction_type, t.snr_gamma)
 
 
-def per_sample_loss(pred: torch.Tensor, tgt: torch.Tensor, scheduler, timesteps: torch.Tensor,
-                    prediction_type: str, snr_gamma: float | None) -> torch.Tensor:
+def per_sample_loss(
+    pred: torch.Tensor,
+    tgt: torch.Tensor,
+    scheduler,
+    timesteps: torch.Tensor,
+    prediction_type: str,
+    snr_gamma: float | None,
+) -> torch.Tensor:
     """MSE per sample [B], optionally min-SNR-gamma weighted (Hang et al. 2023)."""
     mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
     if snr_gamma is None:

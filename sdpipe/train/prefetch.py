@@ -30,7 +30,7 @@ class Prefetcher:
         self._pending: dict[Key, Future] = {}
 
     def get(self, wanted: Sequence[tuple[int, Sequence[int]]]):
-        keys = [(int(epoch), tuple(indices)) for epoch, indices in wanted[:self.depth + 1]]
+        keys = [(int(epoch), tuple(indices)) for epoch, indices in wanted[: self.depth + 1]]
         for key in [k for k in self._pending if k not in keys]:  # the plan moved on (it does not in training)
             self._pending.pop(key).cancel()
         for key in keys:

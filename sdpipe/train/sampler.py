@@ -31,8 +31,9 @@ def _by_bucket(buckets: Sequence[Bucket], available: set[int] | None) -> dict[Bu
     return groups
 
 
-def epoch_plan(buckets: Sequence[Bucket], epoch: int, seed: int, global_batch: int,
-               available: set[int] | None = None) -> list[list[int]]:
+def epoch_plan(
+    buckets: Sequence[Bucket], epoch: int, seed: int, global_batch: int, available: set[int] | None = None
+) -> list[list[int]]:
     """The epoch's global batches; each available index exactly once, each batch from one bucket."""
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
@@ -40,7 +41,7 @@ def epoch_plan(buckets: Sequence[Bucket], epoch: int, seed: int, global_batch: i
     for (w, h), indices in sorted(_by_bucket(buckets, available).items()):
         order = _rng(seed, epoch, _BUCKET_STREAM, w, h).permutation(len(indices))
         shuffled = [indices[i] for i in order]
-        chunks += [shuffled[i:i + global_batch] for i in range(0, len(shuffled), global_batch)]
+        chunks += [shuffled[i : i + global_batch] for i in range(0, len(shuffled), global_batch)]
     order = _rng(seed, epoch, _ORDER_STREAM).permutation(len(chunks))
     return [chunks[i] for i in order]
 
@@ -51,7 +52,7 @@ def rank_slice(global_batch: Sequence[int], rank: int, world_size: int) -> list[
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     size, extra = divmod(len(global_batch), world_size)
     start = rank * size + min(rank, extra)
-    return list(global_batch[start:start + size + (rank < extra)])
+    return list(global_batch[start : start + size + (rank < extra)])
 
 
 def _check_consumed(consumed: int | Sequence[int] | None, chunk: list[int]) -> None:
@@ -79,23 +80,33 @@ class SamplerState:
     plan_excluded: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "global_batch": self.global_batch,
-                "seen": list(self.seen), "samples_seen_total": self.samples_seen_total,
-                "plan_excluded": list(self.plan_excluded)}
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "global_batch": self.global_batch,
+            "seen": list(self.seen),
+            "samples_seen_total": self.samples_seen_total,
+            "plan_excluded": list(self.plan_excluded),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplerState:
-        return cls(epoch=int(data["epoch"]), batches_done=int(data["batches_done"]),
-                   global_batch=int(data["global_batch"]), seen=sorted(int(i) for i in data["seen"]),
-                   samples_seen_total=int(data["samples_seen_total"]),
-                   plan_excluded=sorted(int(i) for i in data.get("plan_excluded", [])))
+        return cls(
+            epoch=int(data["epoch"]),
+            batches_done=int(data["batches_done"]),
+            global_batch=int(data["global_batch"]),
+            seen=sorted(int(i) for i in data["seen"]),
+            samples_seen_total=int(data["samples_seen_total"]),
+            plan_excluded=sorted(int(i) for i in data.get("plan_excluded", [])),
+        )
 
 
 class BucketSampler:
     """This rank's view of the deterministic plan. The state is passed in and returned, never hidden inside."""
 
-    def __init__(self, buckets: Sequence[Bucket], seed: int, world_size: int, per_device_batch_size: int,
-                 rank: int) -> None:
+    def __init__(
+        self, buckets: Sequence[Bucket], seed: int, world_size: int, per_device_batch_size: int, rank: int
+    ) -> None:
         if not buckets:
             raise ValueError("BucketSampler needs at least one sample")
         self.buckets = [(int(w), int(h)) for w, h in buckets]
@@ -117,8 +128,7 @@ class BucketSampler:
         if state.global_batch != self.global_batch:
             # Resumed on another world size or batch: the old plan's chunks no longer fit, so plan again from the
             # samples this epoch has not yet seen; none is replayed or skipped.
-            state = replace(state, batches_done=0, global_batch=self.global_batch,
-                            plan_excluded=sorted(state.seen))
+            state = replace(state, batches_done=0, global_batch=self.global_batch, plan_excluded=sorted(state.seen))
         if state.batches_done >= len(self._plan(state)):  # nothing left in this epoch
             state = replace(state, epoch=state.epoch + 1, batches_done=0, seen=[], plan_excluded=[])
         return state
@@ -126,19 +136,19 @@ class BucketSampler:
     def remaining(self, state: SamplerState) -> list[list[int]]:
         """The global batches still to come in the state's epoch (after `resume`)."""
         state = self.resume(state)
-        return self._plan(state)[state.batches_done:]
+        return self._plan(state)[state.batches_done :]
 
     def upcoming(self, state: SamplerState, n: int) -> list[tuple[int, list[int]]]:
         """The next n global batches from `state` on, as (epoch, batch), running into later epochs as `advance`
         would: what a prefetcher loads ahead."""
         state = self.resume(state)
-        out = [(state.epoch, chunk) for chunk in self._plan(state)[state.batches_done:state.batches_done + n]]
+        out = [(state.epoch, chunk) for chunk in self._plan(state)[state.batches_done : state.batches_done + n]]
         epoch = state.epoch
         while len(out) < n:
             epoch += 1
             if self._next is None or self._next[0] != epoch:
                 self._next = (epoch, epoch_plan(self.buckets, epoch, self.seed, self.global_batch))
-            out += [(epoch, chunk) for chunk in self._next[1][:n - len(out)]]
+            out += [(epoch, chunk) for chunk in self._next[1][: n - len(out)]]
         return out
 
     def batches(self, state: SamplerState) -> Iterator[tuple[list[int], int, bool]]:
@@ -156,8 +166,12 @@ class BucketSampler:
         state = self.resume(state)
         chunk = self._plan(state)[state.batches_done]
         _check_consumed(global_batch, chunk)
-        state = replace(state, batches_done=state.batches_done + 1, seen=sorted(state.seen + chunk),
-                        samples_seen_total=state.samples_seen_total + len(chunk))
+        state = replace(
+            state,
+            batches_done=state.batches_done + 1,
+            seen=sorted(state.seen + chunk),
+            samples_seen_total=state.samples_seen_total + len(chunk),
+        )
         if state.batches_done == len(self._plan(state)):
             state = replace(state, epoch=state.epoch + 1, batches_done=0, seen=[], plan_excluded=[])
         return state

@@ -32,8 +32,17 @@ from sdpipe import io
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.train")
-COLUMNS = ["step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_gpu", "data_wait", "peak_memory_mb",
-           "samples_seen"]
+COLUMNS = [
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "samples_per_s",
+    "samples_per_s_per_gpu",
+    "data_wait",
+    "peak_memory_mb",
+    "samples_seen",
+]
 
 
 def open_metrics(path: Path, resume: bool):
@@ -53,8 +62,10 @@ def check_finite(run, mean: float) -> None:
         from sdpipe.train import checkpoint
 
         last = checkpoint.complete_checkpoints(run.ckpt_dir)
-        raise UserError(f"loss is {mean} in the optimizer steps up to {run.step}; stopping. Last good checkpoint: "
-                        f"{last[-1] if last else 'none'} (lower train.learning_rate or use bf16)")
+        raise UserError(
+            f"loss is {mean} in the optimizer steps up to {run.step}; stopping. Last good checkpoint: "
+            f"{last[-1] if last else 'none'} (lower train.learning_rate or use bf16)"
+        )
 
 
 def compile_seconds() -> float | None:
@@ -167,10 +178,13 @@ class Telemetry:
         self.first_step_s = time.time() - self.started
         self.after_first = (self.samples, time.perf_counter() - self.window_paused)
         if self.main:
-            log.info("first optimizer step done %.1f s after the stage started (imports, loading, compile%s "
-                     "included)", self.first_step_s, f" {compile_seconds():.1f} s" if compile_seconds() else "")
+            log.info(
+                "first optimizer step done %.1f s after the stage started (imports, loading, compile%s included)",
+                self.first_step_s,
+                f" {compile_seconds():.1f} s" if compile_seconds() else "",
+            )
 
-    def step(self, run, loss_sum: torch.Tensor, rank_samples: int, step_samples: int) -> None:
+    def step(self, run, loss_sum: torch.Tensor | int, rank_samples: int, step_samples: int) -> None:
         """After an optimizer step: this rank's loss sum over its `rank_samples`; `step_samples` over all ranks."""
         self.samples += step_samples
         self.loss_sum = self.loss_sum + loss_sum
@@ -184,17 +198,30 @@ class Telemetry:
         check_finite(run, loss)
         elapsed = max(time.perf_counter() - self.window_start - self.window_paused, 1e-9)
         self._record_window(elapsed)
-        row = {"step": run.step, "epoch": run.state.epoch, "loss": round(loss, 6),
-               "lr": run.lr_scheduler.get_last_lr()[0], "samples_per_s": round(self.samples / elapsed, 3),
-               "samples_per_s_per_gpu": round(self.samples / elapsed / self.world, 3),
-               "data_wait": round(self.data_wait(elapsed), 4), "peak_memory_mb": self.peak_memory_mb(),
-               "samples_seen": run.state.samples_seen_total}
-        if self.main:
+        row = {
+            "step": run.step,
+            "epoch": run.state.epoch,
+            "loss": round(loss, 6),
+            "lr": run.lr_scheduler.get_last_lr()[0],
+            "samples_per_s": round(self.samples / elapsed, 3),
+            "samples_per_s_per_gpu": round(self.samples / elapsed / self.world, 3),
+            "data_wait": round(self.data_wait(elapsed), 4),
+            "peak_memory_mb": self.peak_memory_mb(),
+            "samples_seen": run.state.samples_seen_total,
+        }
+        if self.file:  # rank 0 only
             self.writer.writerow(row)
             self.file.flush()
-            log.info("step %d/%d loss %.4f lr %.2e %.1f samples/s (%.1f per GPU) data wait %.0f%%", run.step,
-                     self.total, row["loss"], row["lr"], row["samples_per_s"], row["samples_per_s_per_gpu"],
-                     100 * row["data_wait"])
+            log.info(
+                "step %d/%d loss %.4f lr %.2e %.1f samples/s (%.1f per GPU) data wait %.0f%%",
+                run.step,
+                self.total,
+                row["loss"],
+                row["lr"],
+                row["samples_per_s"],
+                row["samples_per_s_per_gpu"],
+                100 * row["data_wait"],
+            )
         run.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=run.step)
         self._reset()
 
@@ -215,9 +242,14 @@ class Telemetry:
         if rate and self.windows:
             first_samples, first_seconds = self.windows[0]
             warmup = max(first_seconds - first_samples / rate, 0.0)
-        return {"samples_per_s": _round(rate), "warmup_s": _round(warmup), "compile_s": compile_seconds(),
-                "time_to_first_step_s": _round(self.first_step_s), "steady_steps_samples": samples,
-                "validation_and_checkpoint_s": _round(self.paused_s)}
+        return {
+            "samples_per_s": _round(rate),
+            "warmup_s": _round(warmup),
+            "compile_s": compile_seconds(),
+            "time_to_first_step_s": _round(self.first_step_s),
+            "steady_steps_samples": samples,
+            "validation_and_checkpoint_s": _round(self.paused_s),
+        }
 
     def close(self) -> None:
         if self.file:

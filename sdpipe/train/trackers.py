@@ -13,13 +13,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import netrc
-import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from sdpipe.errors import UserError
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -31,7 +29,9 @@ INSTALL = {"wandb": "pip install wandb (or pip install 'sdpipe[wandb]')"}
 def check_installed(name: str) -> None:
     """Before any process starts: accelerate would only fail inside the launched processes."""
     if name != "none" and importlib.util.find_spec(name) is None:
-        raise UserError(f"train.tracker = {name!r} needs the {name} package: {INSTALL.get(name, f'pip install {name}')}")
+        raise UserError(
+            f"train.tracker = {name!r} needs the {name} package: {INSTALL.get(name, f'pip install {name}')}"
+        )
 
 
 def wandb_logged_in(environ: dict) -> bool:
@@ -39,7 +39,7 @@ def wandb_logged_in(environ: dict) -> bool:
         return True
     host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
     try:
-        return netrc.netrc(environ.get("NETRC")).authenticators(host) is not None
+        return netrc.netrc(environ.get("NETRC")).authenticators(host or "") is not None
     except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one wandb cannot read either
         return False
 
@@ -54,8 +54,11 @@ def environment(cfg: Config, environ: dict, out: Path) -> dict[str, str]:
     if wandb_logged_in(environ):
         log.info("wandb: logging online to project %r", cfg.train.tracker_project)
         return {}
-    log.info("wandb: no WANDB_API_KEY and no wandb login found, so wandb runs offline (WANDB_MODE=offline) into "
-             "%s; upload it later with `wandb sync <run folder>`, or set WANDB_API_KEY to log online", out / "wandb")
+    log.info(
+        "wandb: no WANDB_API_KEY and no wandb login found, so wandb runs offline (WANDB_MODE=offline) into "
+        "%s; upload it later with `wandb sync <run folder>`, or set WANDB_API_KEY to log online",
+        out / "wandb",
+    )
     return {"WANDB_MODE": "offline"}
 
 

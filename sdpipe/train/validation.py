@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import gather_object
@@ -12,22 +13,44 @@ from PIL import Image
 from sdpipe import io
 from sdpipe.models.pipeline import load_pipeline
 
-from typing import TYPE_CHECKING
-
 if TYPE_CHECKING:
     from sdpipe.config import Config
 
 
-def _generate(cfg: Config, models: dict, device, pairs: list[tuple[int, str, int]], steps: int, guidance: float,
-              resolution: tuple[int, int]) -> list[tuple[int, Image.Image]]:
+def _generate(
+    cfg: Config,
+    models: dict,
+    device,
+    pairs: list[tuple[int, str, int]],
+    steps: int,
+    guidance: float,
+    resolution: tuple[int, int],
+) -> list[tuple[int, Image.Image]]:
     # The pipeline is only referenced here: its VAE (and any frozen text encoder) go when we return.
-    pipe = load_pipeline(cfg.model.pretrained, cfg.model.revision, cfg.model.variant, device,
-                         prediction_type=cfg.train.prediction_type, **models)
+    pipe = load_pipeline(
+        cfg.model.pretrained,
+        cfg.model.revision,
+        cfg.model.variant,
+        device,
+        prediction_type=cfg.train.prediction_type,
+        **models,
+    )
     # One call per image, CPU generators: an image depends on (prompt, seed) only, not on batch, world or device.
     height, width = resolution
-    return [(index, pipe(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
-                         generator=torch.Generator(device="cpu").manual_seed(seed)).images[0])
-            for index, prompt, seed in pairs]
+    return [
+        (
+            index,
+            pipe(
+                prompt,
+                height=height,
+                width=width,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                generator=torch.Generator(device="cpu").manual_seed(seed),
+            ).images[0],
+        )
+        for index, prompt, seed in pairs
+    ]
 
 
 def grid(images: list, rows: int, cols: int) -> Image.Image:
@@ -38,21 +61,32 @@ def grid(images: list, rows: int, cols: int) -> Image.Image:
     return grid
 
 
-def render(accelerator, trained: dict, cfg: Config, step: int, out_dir: Path, prompts: list[str], seeds: list[int],
-           num_inference_steps: int, guidance_scale: float, resolution: tuple[int, int]) -> Path | None:
+def render(
+    accelerator,
+    trained: dict,
+    cfg: Config,
+    step: int,
+    out_dir: Path,
+    prompts: list[str],
+    seeds: list[int],
+    num_inference_steps: int,
+    guidance_scale: float,
+    resolution: tuple[int, int],
+) -> Path | None:
     """Render prompts (rows) x seeds (columns) at (height, width) with the models being trained (pipeline component
     name -> wrapped model); the grid's path on rank 0, None elsewhere. Every rank must call it (it gathers)."""
     models = {name: accelerator.unwrap_model(m) for name, m in trained.items()}
     modes, images = {name: m.training for name, m in models.items()}, []
     pairs = [(p * len(seeds) + s, prompt, seed) for p, prompt in enumerate(prompts) for s, seed in enumerate(seeds)]
-    mine = pairs[accelerator.process_index::accelerator.num_processes]  # rank r: pairs r, r+W, ...
+    mine = pairs[accelerator.process_index :: accelerator.num_processes]  # rank r: pairs r, r+W, ...
     try:
         for m in models.values():
             m.eval()  # no LoRA dropout while sampling
         with torch.no_grad():
             if mine:
-                images = _generate(cfg, models, accelerator.device, mine, num_inference_steps, guidance_scale,
-                                   resolution)
+                images = _generate(
+                    cfg, models, accelerator.device, mine, num_inference_steps, guidance_scale, resolution
+                )
     finally:
         for name, m in models.items():
             m.train(modes[name])

@@ -43,6 +43,7 @@ if workflow.exec_mode != ExecMode.DEFAULT:
 onstart:
     write_resolved_config()
 
+
 # The local executor enforces the gpu resource only if a global limit exists; when the command line or the
 # profile sets none, the limit is the number of GPUs this machine has (0 on a CPU-only machine).
 if "gpu" not in workflow.global_resources:

@@ -10,20 +10,24 @@ if DREAMBOOTH:
             model=base_model_files,
         output:
             summary="results/class_images/summary.json",
-        conda:
-            "../envs/sdpipe.yaml"
         log:
             "logs/class_images.log",
         benchmark:
             "benchmarks/class_images.tsv"
+        conda:
+            "../envs/sdpipe.yaml"
+        resources:
+            gpu=gpus_for("dreambooth"),
         params:
             config=RESOLVED_CONFIG,
             model=use_model,
             images=CLASS_IMAGES,
-            settings={"dreambooth": CFG["dreambooth"], "model": CFG["model"], "seed": CFG["seed"],
-                      "resolution": CFG["prepare"]["buckets"]["resolution"]},
-        resources:
-            gpu=gpus_for("dreambooth"),
+            settings={
+                "dreambooth": CFG["dreambooth"],
+                "model": CFG["model"],
+                "seed": CFG["seed"],
+                "resolution": CFG["prepare"]["buckets"]["resolution"],
+            },
         shell:
             "sdpipe class-images --config {params.config:q} {params.model:q} --set dreambooth.gpus={resources.gpu:q} "
             "--images {params.images:q} --summary {output.summary:q} > {log:q} 2>&1"
@@ -37,12 +41,12 @@ rule prepare:
         manifest="results/prepare/manifest.jsonl",
         rejected="results/prepare/rejected.jsonl",
         summary="results/prepare/summary.json",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/prepare.log",
     benchmark:
         "benchmarks/prepare.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
     params:
         config=RESOLVED_CONFIG,
         settings={"data": CFG["data"], "prepare": CFG["prepare"], "dreambooth": DREAMBOOTH},
@@ -60,18 +64,18 @@ rule caption:
     output:
         captions="results/captions/captions.jsonl",
         summary="results/captions/summary.json",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/caption.log",
     benchmark:
         "benchmarks/caption.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=gpus_for("caption"),
     params:
         config=RESOLVED_CONFIG,
         settings={"caption": CFG["caption"], "cache_dir": CFG["cache_dir"]},
         raw=use_raw_dir,
-    resources:
-        gpu=gpus_for("caption"),
     shell:
         "sdpipe caption --config {params.config:q} {params.raw:q} --set caption.gpus={resources.gpu:q} "
         "--manifest {input.manifest:q} --captions {output.captions:q} --summary {output.summary:q} > {log:q} 2>&1"
@@ -86,19 +90,19 @@ rule latents:
     output:
         index="results/latents/index.json",
         summary="results/latents/summary.json",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/latents.log",
     benchmark:
         "benchmarks/latents.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=gpus_for("latents"),
     params:
         config=RESOLVED_CONFIG,
         settings={"latents": CFG["latents"], "model": CFG["model"], "cache_dir": CFG["cache_dir"]},
         model=use_model,
         raw=use_raw_dir,
-    resources:
-        gpu=gpus_for("latents"),
     shell:
         "sdpipe latents --config {params.config:q} {params.model:q} {params.raw:q} --set latents.gpus={resources.gpu:q} "
         "--manifest {input.manifest:q} --captions {input.captions:q} "

@@ -8,22 +8,22 @@ rule export:
         final=rules.train.output.final,
         model=model_files,
     output:
+        **export_weight_files(),
         summary=report(f"{EXPORT_DIR}/{EXPORT_FILES.summary}", caption="../report/export.rst", category="Export"),
         diffusers=directory(f"{EXPORT_DIR}/{EXPORT_FILES.diffusers}"),
-        **export_weight_files(),
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/export.log",
     benchmark:
         "benchmarks/export.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=min(1, GPU_LIMIT),  # verification renders on the first GPU (export.verify.device: auto)
     params:
         config=RESOLVED_CONFIG,
         model=use_model,
         out=lambda wildcards, output: str(Path(output.summary).parent),
         settings={"export": CFG["export"], "model": CFG["model"], "prediction": CFG["train"]["prediction_type"]},
-    resources:
-        gpu=min(1, GPU_LIMIT),  # verification renders on the first GPU (export.verify.device: auto)
     shell:
         "sdpipe export --config {params.config:q} {params.model:q} --final {input.final:q} --out {params.out:q} "
         "--summary {output.summary:q} > {log:q} 2>&1"
@@ -35,16 +35,16 @@ rule benchmark:
         model=model_files,
     output:
         scaling="results/benchmark/scaling.json",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/benchmark.log",
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=benchmark_gpus(),
     params:
         config=RESOLVED_CONFIG,
         model=use_model,
         settings={"benchmark": CFG["benchmark"], "train": CFG["train"], "model": CFG["model"]},
-    resources:
-        gpu=benchmark_gpus(),
     shell:
         "sdpipe benchmark --config {params.config:q} {params.model:q} --index {input.index:q} "
         "--out results/benchmark --scaling {output.scaling:q} > {log:q} 2>&1"
@@ -60,18 +60,18 @@ rule evaluate:
     output:
         metrics=report("results/evaluate/metrics.json", caption="../report/metrics.rst", category="Evaluation"),
         samples=directory("results/evaluate/samples"),
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/evaluate.log",
     benchmark:
         "benchmarks/evaluate.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=gpus_for("evaluate"),
     params:
         config=RESOLVED_CONFIG,
         settings={"evaluate": CFG["evaluate"], "seed": CFG["seed"]},
         raw=use_raw_dir,
-    resources:
-        gpu=gpus_for("evaluate"),
     shell:
         "sdpipe evaluate --config {params.config:q} {params.raw:q} --set evaluate.gpus={resources.gpu:q} --model {input.model:q} "
         "--manifest {input.manifest:q} --train-summary {input.train_summary:q} --metrics {output.metrics:q} "
@@ -93,12 +93,12 @@ rule report:
         html=report("results/report/index.html", caption="../report/report.rst", category="Report"),
         markdown="results/report/report.md",
         assets=directory("results/report/assets"),
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
     params:
         # Not an input: the run writes it when it starts (common.smk); the report reruns when the config changes.
         config=RESOLVED_CONFIG,
@@ -123,12 +123,12 @@ rule card:
     output:
         card=report("results/card/README.md", caption="../report/card.rst", category="Model card"),
         grid="results/card/samples.png",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/card.log",
     benchmark:
         "benchmarks/card.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
     params:
         config=RESOLVED_CONFIG,
         settings=CFG,

@@ -7,10 +7,10 @@ if BUILD_PRESET:
     rule base_model:
         output:
             directory(MODEL),
-        conda:
-            "../envs/sdpipe.yaml"
         log:
             "logs/base_model.log",
+        conda:
+            "../envs/sdpipe.yaml"
         params:
             preset=BUILD_PRESET,
             seed=CFG["seed"],
@@ -28,19 +28,19 @@ if TRAIN_VAE:
         output:
             model=directory("results/vae/model"),
             summary="results/vae/summary.json",
-        conda:
-            "../envs/sdpipe.yaml"
         log:
             "logs/train_vae.log",
         benchmark:
             "benchmarks/train_vae.tsv"
+        conda:
+            "../envs/sdpipe.yaml"
+        resources:
+            gpu=min(1, GPU_LIMIT),
         params:
             config=RESOLVED_CONFIG,
             model=use_model,
             raw=use_raw_dir,
             settings={"model": CFG["model"], "seed": CFG["seed"], "prepare": CFG["prepare"]},
-        resources:
-            gpu=min(1, GPU_LIMIT),
         shell:
             "sdpipe train-vae --config {params.config:q} {params.model:q} {params.raw:q} --manifest {input.manifest:q} --out {output.model:q} "
             "--summary {output.summary:q} > {log:q} 2>&1"

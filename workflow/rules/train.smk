@@ -10,12 +10,14 @@ rule train:
         summary="results/train/summary.json",
         final=directory("results/train/final"),
         metrics="results/train/metrics.csv",
-    conda:
-        "../envs/sdpipe.yaml"
     log:
         "logs/train.log",
     benchmark:
         "benchmarks/train.tsv"
+    conda:
+        "../envs/sdpipe.yaml"
+    resources:
+        gpu=train_gpus(),
     params:
         config=RESOLVED_CONFIG,
         out=lambda wildcards, output: str(Path(output.summary).parent),
@@ -23,10 +25,12 @@ rule train:
         # On a cluster, profiles/slurm sets the `mpi` resource to an srun that starts one `sdpipe train` per node.
         launcher=lambda wildcards, resources: getattr(resources, "mpi", ""),
         model=use_model,
-        settings={"train": CFG["train"], "model": CFG["model"], "seed": CFG["seed"],
-                  "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"]},
-    resources:
-        gpu=train_gpus(),
+        settings={
+            "train": CFG["train"],
+            "model": CFG["model"],
+            "seed": CFG["seed"],
+            "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"],
+        },
     shell:
         "{params.launcher} sdpipe train --config {params.config:q} {params.model:q} --set train.num_processes={params.procs:q} "
         "--index {input.index:q} --out {params.out:q} --summary {output.summary:q} > {log:q} 2>&1"
