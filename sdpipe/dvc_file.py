@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdpipe import io
+from sdpipe.stages.declared import WHOLE_CONFIG, declared
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -39,103 +40,39 @@ class Stage:
     rules: str  # the rules Snakemake may run ("class_images prepare"); the first one is forced
     target: str  # Snakemake's target
     deps: list[str]
-    params: list[str]  # config keys the stage reads
     outs: list = field(default_factory=list)
     metrics: list[str] = field(default_factory=list)
     model: str | None = None  # "base": the base model is a dependency; "stage": the model stages load
     modules: tuple[str, ...] = ()  # the modules whose imports are the stage's code (default sdpipe.stages.<name>)
     extra: dict = field(default_factory=dict)
+    # The config keys it reads: those its stage modules declare (READS, stages/declared.py), unless given here.
+    params: tuple[str, ...] = ()
 
 
+# fmt: off
 STAGES = {
-    "base_model": Stage("base_model", "base_model", [], ["model", "seed"], modules=("sdpipe.models.presets",)),
-    "train_vae": Stage(
-        "train_vae",
-        "results/vae/summary.json",
-        [MANIFEST],
-        ["model.train_vae", "prepare.buckets.resolution", "seed"],
-        [TRAINED_VAE],
-        ["results/vae/summary.json"],
-        model="base",
-    ),
-    "prepare": Stage(
-        "class_images prepare",
-        "prepare",
-        ["RAW"],
-        ["data", "prepare", "dreambooth"],
-        [MANIFEST, "results/prepare/rejected.jsonl"],
-        ["results/prepare/summary.json"],
-        modules=("sdpipe.stages.prepare", "sdpipe.stages.class_images"),
-    ),
-    "caption": Stage("caption", "caption", [MANIFEST], ["caption"], [CAPTIONS], ["results/captions/summary.json"]),
-    "latents": Stage(
-        "latents",
-        "latents",
-        [MANIFEST, CAPTIONS],
-        ["latents", "model", "prepare.alpha_background"],
-        [LATENTS],
-        ["results/latents/summary.json"],
-        model="stage",
-    ),
-    "train": Stage(
-        "train",
-        "train",
-        [LATENTS],
-        ["train", "seed", "dreambooth.prior_loss_weight"],
-        ["results/train/final"],
-        ["results/train/summary.json"],
-        model="stage",
-        extra={"plots": [{"results/train/metrics.csv": {"cache": False, "x": "step", "y": "loss"}}]},
-    ),
-    "export": Stage(
-        "export",
-        "export",
-        ["results/train/final"],
-        ["export", "train.prediction_type"],
-        ["results/export"],
-        model="stage",
-    ),
-    "evaluate": Stage(
-        "evaluate",
-        "evaluate",
-        ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
-        ["evaluate", "benchmark"],
-        [{"results/evaluate/samples": {"cache": False}}],
-        ["results/evaluate/metrics.json"],
-    ),
-    "report": Stage(
-        "report",
-        "report",
-        ["results/evaluate/metrics.json", "results/export", "results/train/metrics.csv"],
-        [],
-        [{"results/report": {"cache": False}}],
-    ),
+    "base_model": Stage("base_model", "base_model", [], modules=("sdpipe.models.presets",), params=("model", "seed")),
+    "train_vae": Stage("train_vae", "results/vae/summary.json", [MANIFEST], [TRAINED_VAE], ["results/vae/summary.json"],
+                       model="base"),
+    "prepare": Stage("class_images prepare", "prepare", ["RAW"], [MANIFEST, "results/prepare/rejected.jsonl"],
+                     ["results/prepare/summary.json"], modules=("sdpipe.stages.prepare", "sdpipe.stages.class_images")),
+    "caption": Stage("caption", "caption", [MANIFEST], [CAPTIONS], ["results/captions/summary.json"]),
+    "latents": Stage("latents", "latents", [MANIFEST, CAPTIONS], [LATENTS], ["results/latents/summary.json"],
+                     model="stage"),
+    "train": Stage("train", "train", [LATENTS], ["results/train/final"], ["results/train/summary.json"], model="stage",
+                   extra={"plots": [{"results/train/metrics.csv": {"cache": False, "x": "step", "y": "loss"}}]}),
+    "export": Stage("export", "export", ["results/train/final"], ["results/export"], model="stage"),
+    "evaluate": Stage("evaluate", "evaluate", ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
+                      [{"results/evaluate/samples": {"cache": False}}], ["results/evaluate/metrics.json"]),
+    "report": Stage("report", "report",
+                    ["results/evaluate/metrics.json", "results/export", "results/train/metrics.csv"],
+                    [{"results/report": {"cache": False}}]),
     # The model card in its own folder: results/export is the export stage's output, and the card needs evaluate.
-    "card": Stage(
-        "card",
-        "card",
-        [
-            "results/prepare/summary.json",
-            MANIFEST,
-            CAPTIONS,
-            "results/train/summary.json",
-            "results/export",
-            "results/evaluate/metrics.json",
-            "results/evaluate/samples",
-        ],
-        [
-            "model.pretrained",
-            "export.name",
-            "train",
-            "prepare.buckets.resolution",
-            "seed",
-            "dreambooth",
-            "evaluate.steps",
-            "evaluate.guidance",
-        ],
-        [{"results/card": {"cache": False}}],
-    ),
+    "card": Stage("card", "card", ["results/prepare/summary.json", MANIFEST, CAPTIONS, "results/train/summary.json",
+                                   "results/export", "results/evaluate/metrics.json", "results/evaluate/samples"],
+                  [{"results/card": {"cache": False}}]),
 }
+# fmt: on
 PLOTS = [
     {"learning_rate": {"x": "step", "y": {"results/train/metrics.csv": "lr"}}},
     {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},
@@ -157,6 +94,19 @@ def wanted(name: str, cfg: Config) -> bool:
     return {"base_model": bool(cfg.model.build_preset), "train_vae": cfg.model.train_vae.enabled}.get(name, True)
 
 
+def stage_modules(name: str, stage: Stage) -> tuple[str, ...]:
+    return stage.modules or (f"sdpipe.stages.{name}",)
+
+
+def config_keys(name: str, stage: Stage) -> tuple[str, ...]:
+    """What the stage reads from the config: its modules' READS, in order, once each, without a key that another
+    one holds ("prepare.buckets" goes where "prepare" is)."""
+    if stage.params:
+        return stage.params
+    keys = [k for m in stage_modules(name, stage) for k in declared(m.rsplit(".", 1)[-1]).reads]
+    return tuple(k for k in dict.fromkeys(keys) if not any(k.startswith(f"{other}.") for other in keys))
+
+
 def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
     base, stage_model = model_paths(cfg)
     deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
@@ -168,8 +118,10 @@ def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
     entry: dict[str, object] = {"cmd": f"snakemake --allowed-rules {stage.rules} --forcerun {forced} -- {stage.target}"}
     if deps:
         entry["deps"] = deps
-    if stage.params:
-        entry["params"] = [{"config/config.yaml": stage.params}]
+    params = config_keys(name, stage)
+    if params:
+        # None: DVC tracks every key of the file
+        entry["params"] = [{"config/config.yaml": None if WHOLE_CONFIG in params else list(params)}]
     outs = [cfg.model.pretrained] if name == "base_model" else stage.outs
     if outs:
         entry["outs"] = outs
@@ -183,7 +135,7 @@ def render(cfg: Config, project: Path) -> dict:
     stages = {}
     for name, stage in STAGES.items():
         if wanted(name, cfg):
-            roots = stage.modules or (f"sdpipe.stages.{name}",)
+            roots = stage_modules(name, stage)
             files = set().union(*(code_files(m, project) for m in roots)) if source.is_dir() else set()
             code = sorted(str(p.relative_to(project)) for p in files)
             stages[name] = stage_entry(name, stage, cfg, code)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
 OUTPUTS = {"out": "results/benchmark", "scaling": "results/benchmark/scaling.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("benchmark", "train", "model")
 
 
 def settings_for(cfg: Config, gpus: int) -> list[str]:

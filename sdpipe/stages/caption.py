@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when a captioner's output changes for the same inputs, so old entries are not reused
 INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
 OUTPUTS = {"captions": "results/captions/captions.jsonl", "summary": "results/captions/summary.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("caption", "prepare.alpha_background", "prepare.max_pixels")
 NO_CAPTION = "no captioner in the chain yielded a caption"
 
 

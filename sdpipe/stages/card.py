@@ -30,6 +30,17 @@ INPUTS = {
     "eval_prompts": "results/evaluate/samples/prompts.json",
 }
 OUTPUTS = {"card": "results/card/README.md", "grid": "results/card/samples.png"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = (
+    "model.pretrained",
+    "export.name",
+    "train",
+    "prepare.buckets.resolution",
+    "seed",
+    "dreambooth",
+    "evaluate.steps",
+    "evaluate.guidance",
+)
 
 
 def copy_grid(source: Path, dest: Path) -> bool:

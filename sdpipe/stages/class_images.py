@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS: dict[str, str] = {}
 OUTPUTS = {"images": "results/class_images/images", "summary": "results/class_images/summary.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("dreambooth", "model", "seed", "prepare.buckets.resolution")
 NAME = re.compile(r"(\d{5})-([0-9a-f]{12})\.png")
 VERSION = 1
 

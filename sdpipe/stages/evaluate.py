@@ -28,6 +28,14 @@ INPUTS = {
     "scaling": "results/benchmark/scaling.json",
 }
 OUTPUTS = {"metrics": "results/evaluate/metrics.json", "samples": "results/evaluate/samples"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = (
+    "evaluate",
+    "seed",
+    "benchmark.gpu_counts",
+    "prepare.buckets",
+    "train.prediction_type",
+)
 TIMINGS = [
     "train_samples_per_s",
     "train_warmup_s",

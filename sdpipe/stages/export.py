@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS = {"final": "results/train/final"}
 OUTPUTS = {"out": "results/export", "summary": "results/export/summary.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("export", "model", "train.prediction_type", "prepare.buckets")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_VERIFY_SIDE = 512  # export.verify.resolution: null renders at the training resolution, at most this
 

@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl", "captions": "results/captions/captions.jsonl"}
 OUTPUTS = {"index": "results/latents/index.json", "summary": "results/latents/summary.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = (
+    "latents",
+    "model",
+    "prepare.alpha_background",
+    "prepare.max_pixels",
+)
 CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 

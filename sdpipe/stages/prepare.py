@@ -34,6 +34,8 @@ OUTPUTS = {
     "rejected": "results/prepare/rejected.jsonl",
     "summary": "results/prepare/summary.json",
 }
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("data", "prepare", "dreambooth.enabled")
 DECODED_KEYS = ("width", "height", "format", "mode")
 SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
 MAX_LOGGED_WARNINGS = 10

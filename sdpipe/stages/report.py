@@ -44,6 +44,8 @@ OUTPUTS = {
     "markdown": "results/report/report.md",
     "assets": "results/report/assets",
 }
+# The config keys the outputs depend on (stages/declared.py): all of them, as the report shows the run's config.
+READS = ("*",)
 
 
 def generated_at() -> str:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
 OUTPUTS = {"summary": "results/train/summary.json", "out": "results/train"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("train", "model", "seed", "dreambooth.prior_loss_weight")
 
 
 def topology(cfg: Config):

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUTS = {"manifest": "results/prepare/manifest.jsonl"}
 OUTPUTS = {"out": "results/vae/model", "summary": "results/vae/summary.json"}
+# The config keys the outputs depend on (stages/declared.py).
+READS = ("model", "seed", "prepare.buckets", "prepare.alpha_background")
 
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:

@@ -8,6 +8,7 @@ from sdpipe.errors import UserError
 from sdpipe.config import check_user_config, effective
 from sdpipe.export.names import for_config as export_names
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
+from sdpipe.stages.declared import settings as declared_settings
 from sdpipe import io as sdpipe_io
 
 # One effective config, the same as `sdpipe check-config --config FILE` gives: schema defaults, then the config
@@ -50,6 +51,12 @@ if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", detect_gpu_count())
 _limit = workflow.global_resources["gpu"]
 GPU_LIMIT = int(getattr(_limit, "value", _limit))
+
+
+def settings_of(stage):
+    """The config values a stage's outputs depend on (its module's READS): a rule's params.settings, so Snakemake
+    reruns the stage when one of them changes, and only then."""
+    return declared_settings(CFG, stage)
 
 
 def gpus_for(section):

@@ -22,12 +22,7 @@ if DREAMBOOTH:
             config=RESOLVED_CONFIG,
             model=use_model,
             images=CLASS_IMAGES,
-            settings={
-                "dreambooth": CFG["dreambooth"],
-                "model": CFG["model"],
-                "seed": CFG["seed"],
-                "resolution": CFG["prepare"]["buckets"]["resolution"],
-            },
+            settings=settings_of("class_images"),
         shell:
             "sdpipe class-images --config {params.config:q} {params.model:q} --set dreambooth.gpus={resources.gpu:q} "
             "--images {params.images:q} --summary {output.summary:q} > {log:q} 2>&1"
@@ -49,7 +44,7 @@ rule prepare:
         "../envs/sdpipe.yaml"
     params:
         config=RESOLVED_CONFIG,
-        settings={"data": CFG["data"], "prepare": CFG["prepare"], "dreambooth": DREAMBOOTH},
+        settings=settings_of("prepare"),
         class_images=CLASS_IMAGES,
         raw=use_raw_dir,
     shell:
@@ -74,7 +69,7 @@ rule caption:
         gpu=gpus_for("caption"),
     params:
         config=RESOLVED_CONFIG,
-        settings={"caption": CFG["caption"], "cache_dir": CFG["cache_dir"]},
+        settings=settings_of("caption"),
         raw=use_raw_dir,
     shell:
         "sdpipe caption --config {params.config:q} {params.raw:q} --set caption.gpus={resources.gpu:q} "
@@ -100,7 +95,7 @@ rule latents:
         gpu=gpus_for("latents"),
     params:
         config=RESOLVED_CONFIG,
-        settings={"latents": CFG["latents"], "model": CFG["model"], "cache_dir": CFG["cache_dir"]},
+        settings=settings_of("latents"),
         model=use_model,
         raw=use_raw_dir,
     shell:

@@ -23,7 +23,7 @@ rule export:
         config=RESOLVED_CONFIG,
         model=use_model,
         out=lambda wildcards, output: str(Path(output.summary).parent),
-        settings={"export": CFG["export"], "model": CFG["model"], "prediction": CFG["train"]["prediction_type"]},
+        settings=settings_of("export"),
     shell:
         "sdpipe export --config {params.config:q} {params.model:q} --final {input.final:q} --out {params.out:q} "
         "--summary {output.summary:q} > {log:q} 2>&1"
@@ -44,7 +44,7 @@ rule benchmark:
     params:
         config=RESOLVED_CONFIG,
         model=use_model,
-        settings={"benchmark": CFG["benchmark"], "train": CFG["train"], "model": CFG["model"]},
+        settings=settings_of("benchmark"),
     shell:
         "sdpipe benchmark --config {params.config:q} {params.model:q} --index {input.index:q} "
         "--out results/benchmark --scaling {output.scaling:q} > {log:q} 2>&1"
@@ -70,7 +70,7 @@ rule evaluate:
         gpu=gpus_for("evaluate"),
     params:
         config=RESOLVED_CONFIG,
-        settings={"evaluate": CFG["evaluate"], "seed": CFG["seed"]},
+        settings=settings_of("evaluate"),
         raw=use_raw_dir,
     shell:
         "sdpipe evaluate --config {params.config:q} {params.raw:q} --set evaluate.gpus={resources.gpu:q} --model {input.model:q} "
@@ -102,7 +102,7 @@ rule report:
     params:
         # Not an input: the run writes it when it starts (common.smk); the report reruns when the config changes.
         config=RESOLVED_CONFIG,
-        settings=CFG,
+        settings=settings_of("report"),
     shell:
         "sdpipe report --config {params.config:q} --resolved-config {params.config:q} --prepare {input.prepare:q} --captions {input.captions:q} "
         "--latents {input.latents:q} --manifest {input.manifest:q} --train-summary {input.train_summary:q} "
@@ -131,7 +131,7 @@ rule card:
         "../envs/sdpipe.yaml"
     params:
         config=RESOLVED_CONFIG,
-        settings=CFG,
+        settings=settings_of("card"),
     shell:
         # The user's config (model.pretrained is the base model the card names, not the trained-VAE folder).
         "sdpipe card --config {params.config:q} --prepare {input.prepare:q} --manifest {input.manifest:q} "

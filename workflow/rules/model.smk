@@ -40,7 +40,7 @@ if TRAIN_VAE:
             config=RESOLVED_CONFIG,
             model=use_model,
             raw=use_raw_dir,
-            settings={"model": CFG["model"], "seed": CFG["seed"], "prepare": CFG["prepare"]},
+            settings=settings_of("train_vae"),
         shell:
             "sdpipe train-vae --config {params.config:q} {params.model:q} {params.raw:q} --manifest {input.manifest:q} --out {output.model:q} "
             "--summary {output.summary:q} > {log:q} 2>&1"

@@ -25,12 +25,7 @@ rule train:
         # On a cluster, profiles/slurm sets the `mpi` resource to an srun that starts one `sdpipe train` per node.
         launcher=lambda wildcards, resources: getattr(resources, "mpi", ""),
         model=use_model,
-        settings={
-            "train": CFG["train"],
-            "model": CFG["model"],
-            "seed": CFG["seed"],
-            "prior_loss_weight": DREAMBOOTH and CFG["dreambooth"]["prior_loss_weight"],
-        },
+        settings=settings_of("train"),
     shell:
         "{params.launcher} sdpipe train --config {params.config:q} {params.model:q} --set train.num_processes={params.procs:q} "
         "--index {input.index:q} --out {params.out:q} --summary {output.summary:q} > {log:q} 2>&1"

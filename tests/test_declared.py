@@ -1,0 +1,102 @@
+"""Each stage is declared once, in its module (INPUTS, OUTPUTS, READS; sdpipe/stages/declared.py): the rules'
+params.settings and dvc.yaml's params are made from READS, and READS covers what the module reads."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from sdpipe import cli, dvc_file
+from sdpipe.stages.declared import WHOLE_CONFIG, declared, settings
+
+REPO = Path(__file__).resolve().parent.parent
+MODULES = sorted(m.rsplit(".", 1)[-1] for m in cli.STAGES.values())
+# Settings that say how or where a stage runs, not what it makes: changing them must not rerun it.
+OPERATIONAL = {
+    "cache_dir",
+    "gpus",
+    "workers",
+    "num_processes",
+    "multi_node",
+    "cpu_processes",
+    "loader_threads",
+    "compile",
+    "batch_size",
+    "raw",
+}
+
+
+def _config_reads(module: str) -> set[str]:
+    """Every `cfg.a.b...` attribute chain in the stage module's source, as "a.b"."""
+    source = (REPO / "sdpipe" / "stages" / f"{module}.py").read_text(encoding="utf-8")
+    chains = set()
+    for node in ast.walk(ast.parse(source)):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "cfg" and parts:
+            chains.add(".".join(reversed(parts)))
+    return chains
+
+
+def _covered(chain: str, reads: tuple[str, ...]) -> bool:
+    return WHOLE_CONFIG in reads or any(
+        chain == r or chain.startswith(f"{r}.") or r.startswith(f"{chain}.") for r in reads
+    )
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_stage_declares_what_its_outputs_depend_on(module):
+    d = declared(module)
+    assert d.outputs and d.reads, f"sdpipe/stages/{module}.py declares no OUTPUTS or READS"
+    missed = {
+        c
+        for c in _config_reads(module)
+        if not _covered(c, d.reads) and not OPERATIONAL & set(c.split(".")) and c != "get"
+    }
+    assert not missed, f"{module} reads {sorted(missed)} but READS = {d.reads}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_rule_passes_the_declared_settings(module):
+    """The rule's params.settings is settings_of(<module>), never a hand-written dict."""
+    rules = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "workflow" / "rules").glob("*.smk"))
+    body = re.search(rf"rule {module}:\n(.*?)(?=\n\S|\n    rule |\Z)", rules, re.S)
+    assert body, f"no rule {module}"
+    assert f'settings=settings_of("{module}")' in body.group(1)
+
+
+def test_settings_pick_the_declared_keys():
+    config = {
+        "caption": {"template": "{stem}"},
+        "cache_dir": "c",
+        "prepare": {"alpha_background": [1, 2, 3]},
+        "train": {"lr": 1},
+    }
+    assert settings(config, "caption") == {
+        "caption": {"template": "{stem}"},
+        "prepare.alpha_background": [1, 2, 3],
+        "prepare.max_pixels": None,
+    }
+    assert settings(config, "report") is config  # the whole config
+
+
+def test_dvc_params_are_the_declared_reads():
+    assert dvc_file.config_keys("caption", dvc_file.STAGES["caption"]) == declared("caption").reads
+    prepare = dvc_file.config_keys("prepare", dvc_file.STAGES["prepare"])
+    assert "dreambooth" in prepare and "dreambooth.enabled" not in prepare  # a key its parent holds goes
+    assert set(prepare) >= {"data", "prepare", "model", "seed"}  # prepare's and class_images' reads
+
+
+def test_the_stage_reference_lists_the_declared_keys():
+    """docs/stages.md's "config it reads" column is each stage's READS."""
+    rows = [line.split(" | ") for line in (REPO / "docs" / "stages.md").read_text(encoding="utf-8").splitlines()]
+    listed = {r[0][2:].strip(): r[5] for r in rows if len(r) == 7 and r[0][2:].strip() in MODULES}
+    assert set(listed) == set(MODULES)
+    for module, cell in listed.items():
+        reads = declared(module).reads
+        assert cell == ("all" if reads == (WHOLE_CONFIG,) else ", ".join(f"`{r}`" for r in reads)), module
