@@ -33,7 +33,9 @@ def configs(cfg: Config, convert: bool = False) -> tuple[dict, dict] | None:
 
 
 def family(unet: dict) -> str:
-    return "sdxl" if unet.get("addition_embed_type") == "text_time" else "sd"
+    from sdpipe.models import families
+
+    return families.from_unet_config(unet).name
 
 
 def vae_factor(vae: dict) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from sdpipe import model_facts
 from sdpipe.errors import UserError
+from sdpipe.models import families
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 # benchmarks/NOTES.md v12 less weights, gradients and optimizer state. SD 1.5 at 512 px, batch 32: about 4.3 GB
 # (50.1 GB full, 40.6 GB LoRA); SDXL LoRA at 1024 px, batch 8: about 7.5 GB (73.8 GB). Gradient checkpointing
 # trades most of it for time; its factor here is a guess, not a measurement.
-ACTIVATION_GB_PER_MP = {"sd": 4.3, "sdxl": 7.5}
+# Each family holds its figure (Family.activation_gb_per_mp).
 CHECKPOINTING_FACTOR = 0.35
 # Bytes per UNet parameter: full fine-tune = fp32 weights, gradients and AdamW's two moments; LoRA = frozen weights.
 BYTES_PER_PARAM = {"full": 16, "lora": 4}
@@ -48,7 +49,7 @@ def _model(cfg: Config, unet: dict | None) -> str:
     if single_file.is_checkpoint(m.pretrained):
         try:
             info = single_file.tensor_info(m.pretrained)
-            name = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[single_file.family(m.pretrained, info)]
+            name = families.named(single_file.family(m.pretrained, info)).title
         except UserError as exc:
             return f"model: UNUSABLE: {exc}"
         return f"model: {name} single-file checkpoint {m.pretrained}, converted to a diffusers folder on first use"
@@ -57,11 +58,7 @@ def _model(cfg: Config, unet: dict | None) -> str:
     except UserError as exc:
         return f"model: NOT FOUND: {exc}"
     kind = "local folder" if weights.is_local(m.pretrained) else f"hub id in the cache ({where})"
-    name = (
-        {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[model_facts.family(unet)]
-        if unet
-        else "unknown family (no unet/config.json)"
-    )
+    name = families.named(model_facts.family(unet)).title if unet else "unknown family (no unet/config.json)"
     return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
 
 
@@ -131,7 +128,7 @@ def memory_gb(
 ) -> tuple[float, float]:
     """(weights and optimizer state, activations) in GB per GPU, by the rule of thumb above."""
     state = unet_params * BYTES_PER_PARAM[mode] / 1e9
-    acts = per_device_batch * resolution**2 / 1e6 * ACTIVATION_GB_PER_MP[family]
+    acts = per_device_batch * resolution**2 / 1e6 * families.named(family).activation_gb_per_mp
     return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
 
 

@@ -138,13 +138,13 @@ def _model_family(cfg: Config) -> str | None:
 
 
 def _check_family(template: str, cfg: Config) -> None:
-    family = _model_family(cfg)
-    if family and family != templates.family(template):
-        kind = {"sdxl": "SDXL", "sd": "SD 1.x/2.x"}[family]
+    from sdpipe.models import families
+
+    family, wanted = _model_family(cfg), templates.family(template)
+    if family and family != wanted:
         raise UserError(
-            f"{cfg.model.pretrained} is an {kind} model and template {template} is for "
-            f"{'SDXL' if templates.family(template) == 'sdxl' else 'SD 1.x/2.x'}; pick another "
-            f"template (sdpipe init --list)"
+            f"{cfg.model.pretrained} is an {families.named(family).title} model and template {template} is for "
+            f"{families.named(wanted).title}; pick another template (sdpipe init --list)"
         )
 
 

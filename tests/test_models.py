@@ -305,3 +305,18 @@ def test_sd_and_sdxl_folders_keep_their_family(tmp_path):
     for cls, (parts, family) in cases.items():
         (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": cls, **parts}))
         assert loading.pipeline_family(str(tmp_path)) == family
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-sdxl"])
+def test_a_family_caches_what_its_embedding_returns_and_is_known_by_its_unet(preset, tiny, tiny_xl):
+    """The seam's facts agree with the models: the fields training reads back are those the text stack returns, and
+    a UNet config alone names its family (the plan and sdpipe init's check use it)."""
+    from sdpipe.models import families, presets
+
+    folder = tiny if preset == "tiny" else tiny_xl
+    family = families.from_unet_config(presets.unet_config(preset))
+    assert family.name == presets.family(preset) == loading.pipeline_family(folder)
+    assert tuple(loading.load_text_stack(folder).encode(CAPTIONS)) == family.text_fields
+    assert [families.named(family.name).kohya_prefix(c) for c in family.text_encoders] == (
+        ["lora_te_"] if family.name == "sd" else ["lora_te1_", "lora_te2_"]
+    )

@@ -47,3 +47,22 @@ def test_the_workflow_reads_a_config_without_torch(tmp_path):
         [sys.executable, "-c", code, str(tmp_path / "c.yaml")], capture_output=True, text=True, cwd=tmp_path, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_no_branch_on_a_family_name_outside_the_family_seam():
+    """What differs between model families is asked of sdpipe/models/families.py, not decided by comparing names."""
+    allowed = {"models/families.py", "models/presets.py", "templates/__init__.py"}  # the seam; presets build models
+    names = {"sd", "sdxl"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in allowed or rel.startswith("bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                if names & set(consts):
+                    found.append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Dict) and {getattr(k, "value", None) for k in node.keys} >= names:
+                found.append(f"{rel}:{node.lineno} (a table keyed by family name)")
+    assert not found, found

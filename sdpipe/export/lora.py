@@ -21,7 +21,7 @@ import torch
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.export.single_file import meta_model
-from sdpipe.models import loading
+from sdpipe.models import families, loading
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ def _text_model(module: str) -> str:
 def kohya_name(component: str, module: str, family: str) -> str:
     if component == "unet":
         return "lora_unet_" + module.replace(".", "_")
-    prefix = {"text_encoder": "lora_te_" if family == "sd" else "lora_te1_", "text_encoder_2": "lora_te2_"}[component]
-    return prefix + _text_model(module).replace(".", "_")
+    return families.named(family).kohya_prefix(component) + _text_model(module).replace(".", "_")
 
 
 def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict[str, torch.Tensor]:

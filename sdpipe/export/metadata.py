@@ -27,8 +27,10 @@ SPECS = {
 def base_version(model: Path, family: str) -> str:
     """kohya's name for the base: SDXL, else SD 2.x when the UNet attends to 1024-wide text states (OpenCLIP-H),
     else SD 1.x."""
-    if family == "sdxl":
-        return "sdxl_base_v1-0"
+    from sdpipe.models import families
+
+    if families.named(family).kohya_base:
+        return families.named(family).kohya_base
     unet = io.read_json(Path(model) / "unet" / "config.json")
     return "sd_v2" if unet.get("cross_attention_dim") == 1024 else "sd_v1"
 

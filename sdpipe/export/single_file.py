@@ -17,13 +17,11 @@ import torch
 
 from sdpipe import io, weights
 from sdpipe.errors import UserError
-from sdpipe.models import loading
+from sdpipe.models import families, loading
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 UNET_PREFIX, VAE_PREFIX = "model.diffusion_model.", "first_stage_model."
-CLIP_PREFIX = {"sd": "cond_stage_model.transformer.", "sdxl": "conditioner.embedders.0.transformer."}
 OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
-TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_2"]}
 
 # Sub-module renames inside one block (diffusers name -> original name).
 _UNET_RESNET = {
@@ -176,16 +174,18 @@ def original_state_dict(unet, vae, encoders: list, family: str) -> dict:
     allows, so exporting does not double the memory)."""
     state = {UNET_PREFIX + k: v for k, v in rename(unet.state_dict(), unet_modules(unet.config), "UNet").items()}
     state.update({VAE_PREFIX + k: v for k, v in vae_state(vae).items()})
-    state.update(clip_state(encoders[0], CLIP_PREFIX[family]))
-    if family == "sdxl":
-        state.update(open_clip_state(encoders[1]))
+    for layout, encoder in zip(families.named(family).single_file_text, encoders):
+        state.update(
+            clip_state(encoder, families.named(family).clip_prefix) if layout == "clip" else open_clip_state(encoder)
+        )
     return state
 
 
 def _check_text_encoders(model: str, family: str, encoders: list) -> None:
-    if family == "sdxl" and len(encoders) != 2:
+    layouts = families.named(family).single_file_text
+    if len(encoders) != len(layouts):
         raise UserError(f"{model}: single-file export supports SDXL base (two text encoders), not the refiner")
-    if family == "sd" and encoders[0].config.hidden_act != "quick_gelu":
+    if layouts[0] == "clip" and len(layouts) == 1 and encoders[0].config.hidden_act != "quick_gelu":
         # SD 2.x: its OpenCLIP-H encoder has a different original layout (cond_stage_model.model.)
         raise UserError(f"{model}: single-file export supports SD 1.x and SDXL, not SD 2.x (OpenCLIP text encoder)")
 
@@ -235,7 +235,7 @@ def _check_keys(path: str | Path, root: Path, family: str) -> None:
             present = set(f.keys())
     except (OSError, SafetensorError) as exc:
         raise UserError(f"cannot read {path} as a .safetensors checkpoint: {exc}") from None
-    encoders = [meta_model(root, name) for name in TEXT_ENCODERS[family]]
+    encoders = [meta_model(root, name) for name in families.named(family).text_encoders]
     expected = original_state_dict(meta_model(root, "unet"), meta_model(root, "vae"), encoders, family)
     missing = sorted(set(expected) - present)
     if missing:
@@ -253,10 +253,9 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
     so that nothing can come from its weights: diffusers loads a text encoder it does not recognise in the file
     from the config folder instead.
     """
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
-    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    cls = families.named(family).pipeline()
     root, _ = loading.model_index(str(config_dir))
     _check_keys(path, root, family)
     with tempfile.TemporaryDirectory() as configs:

@@ -1,25 +1,66 @@
 """The model families sdpipe trains, and which one a diffusers pipeline folder is.
 
-This is where the family seam starts: one place reads a pipeline's model_index.json and names its family, and a
-pipeline sdpipe cannot train (SD 3, Flux, or any other transformer-denoised one) is refused in one line instead of
-being taken for SDXL because it too has a second text encoder.
+The family seam: one object per family owns what differs between families (its pipeline class, how text is
+embedded and which states condition the denoiser, the single-file and kohya names of its text encoders). Detection
+reads a pipeline's model_index.json and names its family; a pipeline sdpipe cannot train (SD 3, Flux, or any other
+transformer-denoised one) is refused in one line instead of being taken for SDXL because it too has a second text
+encoder. Adding a family is a new Family here plus its tests (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from sdpipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from sdpipe.models.loading import TextStack
+
+
+def _embed_last_layer(stack: TextStack, captions: list[str]) -> dict[str, torch.Tensor]:
+    """SD 1.x/2.x: one encoder's final-layer-normed last hidden states."""
+    tokenizer, encoder = stack.tokenizers[0], stack.encoders[0]
+    return {"hidden": encoder(**stack.ids(tokenizer, encoder, captions))[0]}
+
+
+def _embed_penultimate_and_pooled(stack: TextStack, captions: list[str]) -> dict[str, torch.Tensor]:
+    """SDXL: each encoder's penultimate hidden states, concatenated, and the last encoder's projected pooled state."""
+    import torch
+
+    hidden, pooled = [], torch.empty(0)
+    for tokenizer, encoder in zip(stack.tokenizers, stack.encoders):
+        out = encoder(**stack.ids(tokenizer, encoder, captions), output_hidden_states=True)
+        hidden.append(out.hidden_states[-2])
+        pooled = out[0]  # text_embeds of CLIPTextModelWithProjection
+    return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}  # [B, 77, sum D], [B, P]
 
 
 @dataclass(frozen=True)
 class Family:
+    """Everything sdpipe does differently per model family; code elsewhere asks the family instead of branching on
+    its name."""
+
     name: str  # the value caches, presets and configs record: "sd" or "sdxl"
     title: str  # what users call it
     pipeline_class: str  # the diffusers pipeline that renders it
     # from_pretrained arguments that keep rendering plain and comparable across runs: no safety checker (SD), no
     # invisible watermark (SDXL; it alters pixels, and needs an optional package).
-    load_args: tuple[tuple[str, object], ...] = ()
+    load_args: tuple[tuple[str, object], ...]
+    # Text conditioning: the encoder states the denoiser takes (cached per caption), and how they are computed.
+    text_fields: tuple[str, ...]
+    embed: Callable[[TextStack, list[str]], dict[str, torch.Tensor]]
+    # Exports: the original single-file layout of each text encoder, in pipeline order ("clip" is OpenAI CLIP's
+    # transformer under `clip_prefix`, "open_clip" OpenCLIP's), and kohya's LoRA prefix per text component.
+    text_encoders: tuple[str, ...]
+    single_file_text: tuple[str, ...]
+    clip_prefix: str
+    kohya_text_prefix: tuple[tuple[str, str], ...]
+    kohya_base: str | None  # kohya's ss_base_model_version, where the family alone decides it
+    # check-config's memory rule of thumb: activation GB per sample-megapixel, measured (sdpipe/plan.py)
+    activation_gb_per_mp: float
 
     def pipeline(self):
         """The diffusers pipeline class."""
@@ -27,12 +68,50 @@ class Family:
 
         return getattr(diffusers, self.pipeline_class)
 
+    def kohya_prefix(self, component: str) -> str:
+        return dict(self.kohya_text_prefix)[component]
+
 
 SD = Family(
-    "sd", "SD 1.x/2.x", "StableDiffusionPipeline", (("safety_checker", None), ("requires_safety_checker", False))
+    "sd",
+    "SD 1.x/2.x",
+    "StableDiffusionPipeline",
+    (("safety_checker", None), ("requires_safety_checker", False)),
+    text_fields=("hidden",),
+    embed=_embed_last_layer,
+    text_encoders=("text_encoder",),
+    single_file_text=("clip",),
+    clip_prefix="cond_stage_model.transformer.",
+    kohya_text_prefix=(("text_encoder", "lora_te_"),),
+    kohya_base=None,  # v1 or v2, from the UNet's text width (export/metadata.py)
+    activation_gb_per_mp=4.3,
 )
-SDXL = Family("sdxl", "SDXL", "StableDiffusionXLPipeline", (("add_watermarker", False),))
+SDXL = Family(
+    "sdxl",
+    "SDXL",
+    "StableDiffusionXLPipeline",
+    (("add_watermarker", False),),
+    text_fields=("hidden", "pooled"),
+    embed=_embed_penultimate_and_pooled,
+    text_encoders=("text_encoder", "text_encoder_2"),
+    single_file_text=("clip", "open_clip"),
+    clip_prefix="conditioner.embedders.0.transformer.",
+    kohya_text_prefix=(("text_encoder", "lora_te1_"), ("text_encoder_2", "lora_te2_")),
+    kohya_base="sdxl_base_v1-0",
+    activation_gb_per_mp=7.5,
+)
 FAMILIES = {family.name: family for family in (SD, SDXL)}
+
+
+def named(name: str) -> Family:
+    """The family a cache, a preset or a trained run records by name."""
+    return FAMILIES[name]
+
+
+def from_unet_config(unet: dict) -> Family:
+    """The family of a UNet config: SDXL's UNet adds text and time embeddings ("text_time")."""
+    return SDXL if unet.get("addition_embed_type") == "text_time" else SD
+
 
 # model_index.json class names of families sdpipe does not train, as users know them.
 UNSUPPORTED = {

@@ -133,7 +133,7 @@ class TextStack:
         self.names = list(names) or [enc for _, enc in TEXT_PAIRS][: len(encoders)]  # pipeline component names
         self.dtype, self.device = dtype, torch.device(device)
 
-    def _ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
+    def ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
         encoder = getattr(encoder, "module", encoder)  # a DDP-wrapped encoder (text-encoder training)
         length = min(tokenizer.model_max_length, encoder.config.max_position_embeddings)  # guards a 1e30 default
         tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
@@ -148,15 +148,7 @@ class TextStack:
 
     def embed(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """encode() with gradients, for training the text encoders."""
-        if self.family == "sd":
-            tokenizer, encoder = self.tokenizers[0], self.encoders[0]
-            return {"hidden": encoder(**self._ids(tokenizer, encoder, captions))[0]}  # final-layer-normed last layer
-        hidden, pooled = [], torch.empty(0)  # pooled: set by the last of SDXL's two encoders
-        for tokenizer, encoder in zip(self.tokenizers, self.encoders):
-            out = encoder(**self._ids(tokenizer, encoder, captions), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer of each encoder
-            pooled = out[0]  # the last encoder's text_embeds (CLIPTextModelWithProjection)
-        return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}  # [B, 77, sum D], [B, P]
+        return families.named(self.family).embed(self, captions)
 
 
 def load_text_stack(

@@ -15,6 +15,7 @@ from sdpipe import io
 from sdpipe.cache_store import SEP, ShardStore
 from sdpipe.errors import UserError
 from sdpipe.latent_index import VERSION as INDEX_VERSION
+from sdpipe.models import families
 
 
 class LatentData:
@@ -42,7 +43,7 @@ class LatentData:
         # the convention every diffusers pipeline decodes with (latents / scaling_factor + shift).
         model = self.index["model"]
         self.latent_shift, self.latent_scale = model.get("shift_factor") or 0.0, model["scaling_factor"]
-        fields = ["hidden", "pooled"] if model["family"] == "sdxl" else ["hidden"]
+        fields = families.named(model["family"]).text_fields
         self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
 
     def captions(self, samples: list[int], drop_caption: list[bool]) -> list[str]:
