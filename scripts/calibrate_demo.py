@@ -79,7 +79,7 @@ def recon_accuracy(model: Path, manifest: Path, captions: Path) -> float:
     from PIL import Image
 
     from sdpipe import io, vae_train
-    from sdpipe.demo_colours import colour_accuracy
+    from sdpipe.demo.colours import colour_accuracy
 
     text = {r["id"]: r["caption"] for r in io.read_jsonl(captions)}
     rows = [r for r in io.read_jsonl(manifest) if r["split"] == "train"]

@@ -100,7 +100,7 @@ def _cmd_build_model(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from sdpipe import doctor
+    from sdpipe.ops import doctor
 
     return doctor.run(load_config(args.config, args.set), strict=args.strict)
 
@@ -230,13 +230,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
         "volume, run snakemake --profile runpod",
     )
-    from sdpipe import pod
+    from sdpipe.ops import pod
 
     pod.add_arguments(p)
     p.set_defaults(handler=pod.run)
 
     p = sub.add_parser("runpod", help="create, watch, sync and stop a Runpod pod running the pipeline")
-    from sdpipe import runpod_api
+    from sdpipe.ops import runpod_api
 
     runpod_api.add_arguments(p)
     p.set_defaults(handler=runpod_api.run)

@@ -26,7 +26,7 @@ MAX_PROMPTS = 4
 
 def workflow_source() -> Path:
     """Where the workflow files come from: the Docker image's project, else the checkout of this package."""
-    from sdpipe import pod
+    from sdpipe.ops import pod
 
     for place in (pod.IMAGE_PROJECT, SOURCE_CHECKOUT):
         if (place / "Snakefile").is_file():

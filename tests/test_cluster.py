@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sdpipe import cluster, config
+from sdpipe import config
 from sdpipe.errors import UserError
+from sdpipe.ops import cluster
 from sdpipe.stages import train
 
 NODE = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sdpipe import demo
-from sdpipe.demo_colours import dominant_colour, prompt_colour
+from sdpipe.demo.colours import dominant_colour, prompt_colour
 from tests.workflow_helpers import make_project, run
 
 pytestmark = pytest.mark.slow

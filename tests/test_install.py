@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdpipe import pod
+from sdpipe.ops import pod
 from tests.conftest import REPO
 
 

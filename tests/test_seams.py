@@ -28,11 +28,9 @@ HIGHER = (
     "sdpipe.bench",
     "sdpipe.project",
     "sdpipe.plan",
-    "sdpipe.pod",
-    "sdpipe.runpod_api",
-    "sdpipe.doctor",
+    "sdpipe.ops",
     "sdpipe.demo",
-    "sdpipe.demo_colours",
+    "sdpipe.demo.colours",
 )
 
 

@@ -183,7 +183,7 @@ def scheduler(preset: str):
     The tiny demo model, trained from scratch, uses v-prediction on a zero-terminal-SNR schedule with trailing
     timesteps (Lin et al. 2023) and samples with DDIM: with SD's epsilon schedule the model never sees pure noise
     in training, so the colour of a flat shape is decided badly at the first sampling step. Chosen by measuring
-    the demo's prompt-colour accuracy (sdpipe.demo_colours) on the 2-core CPU.
+    the demo's prompt-colour accuracy (sdpipe.demo.colours) on the 2-core CPU.
     """
     from diffusers import DDIMScheduler, DDPMScheduler
 

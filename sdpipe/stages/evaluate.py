@@ -147,7 +147,7 @@ def quality(cfg: Config, images: list, prompts: list[str], real_rows: list[dict]
 def colour_accuracy(images: list, prompts: list[str]) -> dict:
     """On the demo's colour prompts: the share of images whose shape has the prompt's colour."""
     from sdpipe.demo import COLOURS
-    from sdpipe.demo_colours import colour_accuracy as accuracy
+    from sdpipe.demo.colours import colour_accuracy as accuracy
     from sdpipe.evaluate import measured, unavailable
 
     names = lambda prompt: [c for c in COLOURS if c in prompt.lower().split()]

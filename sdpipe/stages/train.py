@@ -22,8 +22,8 @@ from sdpipe.train import lifeline
 from sdpipe.train.models import MIXED
 
 if TYPE_CHECKING:
-    from sdpipe.cluster import Topology
     from sdpipe.config import Config
+    from sdpipe.ops.cluster import Topology
 
 log = logging.getLogger(__name__)
 INPUTS = {"index": "results/latents/index.json"}
@@ -33,7 +33,7 @@ READS = ("train", "model", "seed", "dreambooth.prior_loss_weight")
 
 
 def topology(cfg: Config):
-    from sdpipe.cluster import topology as from_env
+    from sdpipe.ops.cluster import topology as from_env
 
     return from_env(cfg.train.multi_node, dict(os.environ))
 
