@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,36 @@ def _killed_then_rerun(cmd: list[str], moment: float) -> tuple[bool, float]:
         detail = errors[:8] or stderr[-800:].splitlines()
         warnings.warn(f"kill campaign rerun failed ({returncode}): " + " | ".join(detail), stacklevel=1)
     assert returncode == 0, "\n".join(errors) + "\n...\n" + stderr[-3000:]
-    return landed, time.monotonic() - start
+    took = time.monotonic() - start
+    _assert_no_process_left(cmd[cmd.index("--config") + 1])
+    return landed, took
+
+
+def _assert_no_process_left(marker: str, wait_s: float = 30.0) -> None:
+    """No process of the killed run, or of its rerun, still runs: a rank left behind holds memory (a GPU on a pod)
+    and the run folder's lock. Ranks read the config next to their run folder, so its path names them."""
+    deadline = time.monotonic() + wait_s
+    while (left := _processes_naming(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left running: {left}"
+
+
+def _processes_naming(marker: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if (
+            proc.name.isdigit()
+            and int(proc.name) != os.getpid()
+            and state != "Z"
+            and marker.rsplit(".", 1)[0] in cmdline
+        ):
+            found.append(f"{proc.name}: {cmdline[:160]}")
+    return found
 
 
 def _rerun(cmd: list[str], timeout_s: float = RERUN_TIMEOUT_S) -> tuple[int | None, str]:

@@ -46,6 +46,30 @@ def test_a_rank_in_its_own_session_dies_with_a_killed_launcher():
     assert not _alive(child)
 
 
+# A stage that starts a rank and is killed at once, while the rank still imports: the rank asks for the signal only
+# after its parent is gone.
+LATE_RANK = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import time; time.sleep(1.5); from sdpipe.train import lifeline; lifeline.die_with_parent(); time.sleep(120)"],
+    start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    env={**os.environ, "SDPIPE_STAGE_PID": str(os.getpid())})
+print(child.pid, flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_rank_whose_stage_died_while_it_started_ends_instead_of_waiting():
+    """The CI run at b47bde1 found four ranks of killed 2-process runs alive minutes later, handed to init, each
+    waiting out its rendezvous: they had asked for the parent-death signal after their launcher was gone."""
+    stage = subprocess.run([sys.executable, "-c", LATE_RANK], capture_output=True, text=True, check=True)
+    rank = int(stage.stdout)
+    deadline = time.monotonic() + 30
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)
+
+
 def test_a_second_run_in_the_same_folder_is_refused(tmp_path):
     with lifeline.run_lock(tmp_path):
         with pytest.raises(UserError, match="another training run is using"):

@@ -226,6 +226,7 @@ def _train(cfg: Config, inputs: dict[str, Path], out: Path, summary: Path, start
         "PYTHONUNBUFFERED": "1",
         "PYTHONSAFEPATH": "1",
         STARTED_ENV: str(started),
+        lifeline.STAGE_PID_ENV: str(os.getpid()),
         **compile_cache_env(cfg),
         **environment(cfg, dict(os.environ), out),
     }

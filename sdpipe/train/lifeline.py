@@ -30,16 +30,35 @@ from sdpipe.errors import UserError
 
 PR_SET_PDEATHSIG = 1
 RUN_LOCK, RANK_LOCK, RANKS_LOCK = ".run.lock", ".rank.lock", ".ranks.lock"
+# The `sdpipe train` process that started this run: a rank whose stage is gone has nothing to report to.
+STAGE_PID_ENV = "SDPIPE_STAGE_PID"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send `sig` to this process when its parent exits (Linux only; elsewhere nothing)."""
+    """Have the kernel send `sig` to this process when its parent exits (Linux only; elsewhere nothing).
+
+    A rank killed while it still imports reaches this after its launcher is gone: it has been handed to init (or a
+    subreaper), which never exits, so the kernel's signal would never come, and the rank would wait out its
+    rendezvous timeout (30 minutes) holding memory, a GPU and the run folder's lock. It ends here instead when the
+    stage that started the run is no longer alive."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent or not _alive(os.environ.get(STAGE_PID_ENV)):
         os.kill(os.getpid(), sig)
+
+
+def _alive(pid: str | None) -> bool:
+    """Whether process `pid` runs (True when unknown: a loop started by hand has no stage). A zombie, exited but not
+    yet reaped by its parent, is not alive."""
+    if not pid:
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _take(path: Path, wait_s: float) -> int | None:
