@@ -160,7 +160,8 @@ def init(
 ) -> Path:
     """Write the project (the workflow copied from `source`, default workflow_source()); return its config file.
     Nothing is written when any check fails."""
-    from sdpipe import config, dvc_file, io, pod
+    from sdpipe import config, dvc_file, io
+    from sdpipe.ops import pod
 
     images = images.expanduser().resolve()
     if not images.is_dir():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sdpipe import config, doctor
+from sdpipe import config
+from sdpipe.ops import doctor
 from tests.conftest import small_config
 
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 import yaml
 
-from sdpipe import config, doctor, weights
+from sdpipe import config, weights
 from sdpipe.errors import UserError
 from sdpipe.fetch_model import fetch_model
 from sdpipe.models import loading, owned
+from sdpipe.ops import doctor
 from tests.conftest import REPO, small_config
 
 REPO_ID = "someone/tiny-sd"
