@@ -65,7 +65,9 @@ STAGES = {
     "evaluate": Stage("evaluate", "evaluate", ["results/export/diffusers", MANIFEST, "results/train/summary.json"],
                       [{"results/evaluate/samples": {"cache": False}}], ["results/evaluate/metrics.json"]),
     "report": Stage("report", "report",
-                    ["results/evaluate/metrics.json", "results/export", "results/train/metrics.csv"],
+                    ["results/evaluate/metrics.json", "results/evaluate/samples", "results/export",
+                     "results/train/metrics.csv", "results/train/summary.json", MANIFEST,
+                     "results/prepare/summary.json", "results/captions/summary.json", "results/latents/summary.json"],
                     [{"results/report": {"cache": False}}]),
     # The model card in its own folder: results/export is the export stage's output, and the card needs evaluate.
     "card": Stage("card", "card", ["results/prepare/summary.json", MANIFEST, CAPTIONS, "results/train/summary.json",

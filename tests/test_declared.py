@@ -100,3 +100,36 @@ def test_the_stage_reference_lists_the_declared_keys():
     for module, cell in listed.items():
         reads = declared(module).reads
         assert cell == ("all" if reads == (WHOLE_CONFIG,) else ", ".join(f"`{r}`" for r in reads)), module
+
+
+def _covers(path: str, tracked: list[str]) -> bool:
+    return any(path == t or path.startswith(f"{t}/") or t.startswith(f"{path}/") for t in tracked)
+
+
+# Inputs a DVC stage does not track, each for a reason: made by the same DVC stage (prepare runs class_images),
+# optional (the benchmark runs only on request), written by every run (the resolved config), or inside another
+# tracked output's folder that DVC does not cache (validation samples under results/train).
+UNTRACKED_INPUTS = {
+    "results/class_images/images",
+    "results/benchmark/scaling.json",
+    "results/config.resolved.yaml",
+    "results/train/samples",
+}
+
+
+# DreamBooth's class images are made inside DVC's prepare stage, for it alone.
+UNTRACKED_OUTPUTS = {"results/class_images/images", "results/class_images/summary.json"}
+
+
+@pytest.mark.parametrize("stage", sorted(dvc_file.STAGES))
+def test_the_dvc_stage_tracks_what_its_modules_declare(stage):
+    """dvc.yaml's deps, outs and metrics are written in dvc_file.STAGES; they agree with the INPUTS and OUTPUTS the
+    stage modules declare, so a path changed in one place and not the other fails here."""
+    spec = dvc_file.STAGES[stage]
+    modules = [m.rsplit(".", 1)[-1] for m in dvc_file.stage_modules(stage, spec) if m.startswith("sdpipe.stages.")]
+    inputs = {p for m in modules for p in declared(m).inputs.values()} - UNTRACKED_INPUTS
+    outputs = {p for m in modules for p in declared(m).outputs.values()} - UNTRACKED_OUTPUTS
+    tracked_out = [o if isinstance(o, str) else next(iter(o)) for o in spec.outs] + spec.metrics
+    assert [p for p in sorted(inputs) if not _covers(p, spec.deps)] == []
+    assert all(_covers(p, tracked_out) for p in outputs), (outputs, tracked_out)
+    assert all(_covers(p, sorted(outputs)) for p in tracked_out), (tracked_out, outputs)
