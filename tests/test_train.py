@@ -652,3 +652,17 @@ def test_prefetched_batches_train_exactly_as_batches_loaded_in_the_loop(tmp_path
     # Every load on the prefetch thread, and only the 2 batches queued past the last step wasted: the look-ahead
     # named the batches the loop then asked for.
     assert len(threads) <= 12 + 2 and all(t.startswith("sdpipe-prefetch") for t in threads)
+
+
+def test_the_records_stages_write_have_the_typed_fields(cache):
+    """sdpipe/records.py is what prepare, caption and latents really write, field for field."""
+    from sdpipe import records
+
+    index_path, _ = cache
+    tmp = index_path.parent
+    keys = lambda typed: set(typed.__annotations__)
+    assert all(set(row) == keys(records.ManifestRow) for row in io.read_jsonl(tmp / "m.jsonl"))
+    assert all(set(row) == keys(records.CaptionRow) for row in io.read_jsonl(tmp / "c.jsonl"))
+    index = io.read_json(index_path)
+    assert set(index) == keys(records.LatentIndex) and set(index["model"]) == keys(records.LatentModel)
+    assert index["items"] and all(set(item) == keys(records.LatentItem) for item in index["items"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdpipe import hashing, io, parallel
+from sdpipe.records import CaptionRow
 from sdpipe.stages import image_file, read_upstream
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]
     return items, devices
 
 
-def _output_row(item: Item) -> dict:
+def _output_row(item: Item) -> CaptionRow:
     row = item.row
     error = None if item.caption else (item.error or NO_CAPTION)
     return {

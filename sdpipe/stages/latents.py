@@ -17,6 +17,7 @@ from sdpipe import hashing, io, latent_index, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, crop_box
+from sdpipe.records import LatentIndex
 from sdpipe.stages import image_file, read_upstream
 
 if TYPE_CHECKING:
@@ -208,18 +209,16 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
     kept = [it for it in items if it["path"] not in bad_paths and present(it)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
     encoded = len({it["id"] for it in kept} & encoded_ids)
-    io.write_json(
-        outputs["index"],
-        {
-            "version": latent_index.VERSION,
-            "model": model,
-            "latent_store": str(Path(cfg.cache_dir) / "latents"),
-            "empty_text_key": _text_key("", model, cfg.latents.dtype),
-            "text_store": str(Path(cfg.cache_dir) / "text"),
-            "items": kept,
-            "failed": failed,
-        },
-    )
+    index: LatentIndex = {
+        "version": latent_index.VERSION,
+        "model": model,
+        "latent_store": str(Path(cfg.cache_dir) / "latents"),
+        "empty_text_key": _text_key("", model, cfg.latents.dtype),
+        "text_store": str(Path(cfg.cache_dir) / "text"),
+        "items": kept,
+        "failed": failed,
+    }
+    io.write_json(outputs["index"], index)
     summary = {
         "items": len(kept),
         "encoded": encoded,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.records import ManifestRow
 from sdpipe.stages.prepare_decode import inspect_all
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def collect(cfg: Config, raw: Path, rels: list[str], results: list[dict], sideca
 
 def _row(
     cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome
-) -> dict:
+) -> ManifestRow:
     from sdpipe.buckets import assign_bucket
 
     text = None

@@ -16,6 +16,7 @@ from sdpipe.cache_store import SEP, ShardStore
 from sdpipe.errors import UserError
 from sdpipe.latent_index import VERSION as INDEX_VERSION
 from sdpipe.models import families
+from sdpipe.records import LatentIndex
 
 
 class LatentData:
@@ -23,7 +24,7 @@ class LatentData:
         index_path = Path(index_path)
         if not index_path.is_file():
             raise UserError(f"latent cache index {index_path} not found; run `snakemake latents` first")
-        self.index = io.read_json(index_path)
+        self.index: LatentIndex = io.read_json(index_path)
         if self.index.get("version") != INDEX_VERSION:
             raise UserError(f"{index_path} was written by another sdpipe version; rerun `snakemake latents`")
         self.items = self.index["items"]
