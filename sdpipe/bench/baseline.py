@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from sdpipe.models import families
+
 
 def shapes(preset: str, resolution: int) -> dict:
     """Latent (C, H, W) and text-conditioning sizes of a preset's UNet at `resolution` px."""
@@ -57,7 +59,7 @@ def step(
     import contextlib
 
     noisy = scheduler.add_noise(data["latents"], noise, timesteps)
-    added = {"text_embeds": data["pooled"], "time_ids": data["time_ids"]} if "pooled" in data else None
+    added = families.added_conditioning(data)
     with autocast(noise.device) if mixed else contextlib.nullcontext():
         pred = unet(noisy, timesteps, encoder_hidden_states=data["hidden"], added_cond_kwargs=added).sample
     loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
@@ -73,7 +75,7 @@ def flops_per_sample(unet, preset: str, resolution: int, device) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     data = random_cond(preset, resolution, 2, device, torch.Generator().manual_seed(0))
-    added = {"text_embeds": data["pooled"], "time_ids": data["time_ids"]} if "pooled" in data else None
+    added = families.added_conditioning(data)
     with FlopCounterMode(display=False) as counter:
         with autocast(device):
             pred = unet(

@@ -52,6 +52,8 @@ class Family:
     # Text conditioning: the encoder states the denoiser takes (cached per caption), and how they are computed.
     text_fields: tuple[str, ...]
     embed: Callable[[TextStack, list[str]], dict[str, torch.Tensor]]
+    # SDXL's micro-conditioning: each sample's original size, crop corner and target size ("time_ids").
+    size_conditioning: bool
     # Exports: the original single-file layout of each text encoder, in pipeline order ("clip" is OpenAI CLIP's
     # transformer under `clip_prefix`, "open_clip" OpenCLIP's), and kohya's LoRA prefix per text component.
     text_encoders: tuple[str, ...]
@@ -79,6 +81,7 @@ SD = Family(
     (("safety_checker", None), ("requires_safety_checker", False)),
     text_fields=("hidden",),
     embed=_embed_last_layer,
+    size_conditioning=False,
     text_encoders=("text_encoder",),
     single_file_text=("clip",),
     clip_prefix="cond_stage_model.transformer.",
@@ -93,6 +96,7 @@ SDXL = Family(
     (("add_watermarker", False),),
     text_fields=("hidden", "pooled"),
     embed=_embed_penultimate_and_pooled,
+    size_conditioning=True,
     text_encoders=("text_encoder", "text_encoder_2"),
     single_file_text=("clip", "open_clip"),
     clip_prefix="conditioner.embedders.0.transformer.",
@@ -101,6 +105,12 @@ SDXL = Family(
     activation_gb_per_mp=7.5,
 )
 FAMILIES = {family.name: family for family in (SD, SDXL)}
+
+
+def added_conditioning(cond: dict) -> dict | None:
+    """The UNet's added_cond_kwargs for a batch's conditioning: the pooled text state and the size ids where the
+    family has them (SDXL), else None."""
+    return {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "pooled" in cond else None
 
 
 def named(name: str) -> Family:

@@ -44,8 +44,8 @@ class LatentData:
         # the convention every diffusers pipeline decodes with (latents / scaling_factor + shift).
         model = self.index["model"]
         self.latent_shift, self.latent_scale = model.get("shift_factor") or 0.0, model["scaling_factor"]
-        fields = families.named(model["family"]).text_fields
-        self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in fields}
+        self.family = families.named(model["family"])
+        self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in self.family.text_fields}
 
     def captions(self, samples: list[int], drop_caption: list[bool]) -> list[str]:
         """The caption text of each sample ("" where dropped), for a text encoder being trained."""
@@ -85,12 +85,17 @@ class LatentData:
         ]
         for field in self.empty:
             out[field] = torch.stack([t[field] for t in texts]).float()
+        if self.family.size_conditioning:
+            out["time_ids"] = self._size_ids(items, flips)
+        return out
+
+    def _size_ids(self, items: list, flips: list[bool]) -> torch.Tensor:
+        """SDXL's micro-conditioning per sample: original (h, w), the crop's top-left corner, the target (h, w)."""
         crops = [
             it["flip_crop_top_left"] if flip and it["flip_key"] else it["crop_top_left"]
             for it, flip in zip(items, flips)
         ]
-        out["time_ids"] = torch.tensor(
+        return torch.tensor(
             [[*it["original_size"], *crop, it["bucket"][1], it["bucket"][0]] for it, crop in zip(items, crops)],
             dtype=torch.float32,
-        )  # SDXL (h, w) order
-        return out
+        )

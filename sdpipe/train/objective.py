@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from diffusers.training_utils import compute_snr
 
+from sdpipe.models import families
+
 if TYPE_CHECKING:
     from sdpipe.config import TrainConfig
 
@@ -66,7 +68,7 @@ def sample_losses(
     a context factory (the accelerator's). The benchmark's parity check calls this very function.
     """
     noisy = noisy_input(scheduler, latents, draws, t.input_perturbation)
-    added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "pooled" in cond else None
+    added = families.added_conditioning(cond)
     with autocast():
         pred = forward(noisy, draws["timesteps"], encoder_hidden_states=cond["hidden"], added_cond_kwargs=added).sample
     tgt = target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
