@@ -4,7 +4,8 @@ The family seam: one object per family owns what differs between families (its p
 embedded and which states condition the denoiser, the single-file and kohya names of its text encoders). Detection
 reads a pipeline's model_index.json and names its family; a pipeline sdpipe cannot train (SD 3, Flux, or any other
 transformer-denoised one) is refused in one line instead of being taken for SDXL because it too has a second text
-encoder. Adding a family is a new Family here plus its tests (docs/ARCHITECTURE.md).
+encoder. A new family starts with a Family here; docs/ARCHITECTURE.md lists what is not behind the seam yet
+(the component classes, the noise objective, the UNet key maps).
 """
 
 from __future__ import annotations
