@@ -180,7 +180,11 @@ def _imports(name: str, project: Path) -> set[str]:
     path = _module_file(name, project)
     if path is None:
         return set()
-    for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    source = path.read_text(encoding="utf-8")
+    if path.name == "__init__.py" and "pkgutil.iter_modules(__path__)" in source:
+        # a package that imports its modules at run time (models/families/ finds each family's module)
+        found |= {f"{name}.{p.stem}" for p in path.parent.glob("*.py") if p.name != "__init__.py"}
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdpipe.errors import UserError
-from sdpipe.weights import WEIGHTED, weight_variant
+from sdpipe.models import families
+from sdpipe.weights import weight_variant
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -33,7 +34,7 @@ def component_files(index: dict, repo_files: list[str], variant: str | None, wei
     for comp in components:
         inside = [f for f in repo_files if f.startswith(f"{comp}/") and f.count("/") == 1]
         chosen += [f for f in inside if f.endswith(SMALL)]
-        if weights and comp in WEIGHTED:
+        if weights and comp in families.components():
             chosen += _weights(comp, inside, variant)
     return chosen
 

@@ -101,9 +101,10 @@ def _trained_parts(settings: dict, dtype) -> dict:
     """A trained UNet folder to sample with instead of the base one (evaluation); none for class images."""
     if not settings.get("unet"):
         return {}
-    from diffusers import UNet2DConditionModel
+    from sdpipe.models import families
 
-    return {"unet": UNet2DConditionModel.from_pretrained(settings["unet"], torch_dtype=dtype)}
+    family = families.from_unet_config(io.read_json(Path(settings["unet"]) / "config.json"))
+    return {family.denoiser: family.denoiser_type().from_pretrained(settings["unet"], torch_dtype=dtype)}
 
 
 def _write(job: dict, image) -> None:

@@ -136,10 +136,9 @@ def _memory(cfg: Config, unet: dict | None) -> str:
     if unet is None:
         return "memory per GPU: unknown (the UNet's config is not found)"
     from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
 
     with init_empty_weights():
-        params = sum(p.numel() for p in UNet2DConditionModel.from_config(unet).parameters())
+        params = sum(p.numel() for p in families.from_unet_config(unet).denoiser_type().from_config(unet).parameters())
     t = cfg.train
     state, acts = memory_gb(
         model_facts.family(unet),

@@ -111,8 +111,10 @@ def tensor_info(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def family(path: str | Path, info: dict) -> str:
-    """ "sdxl" or "sd" from the checkpoint's key names (the original SGM / CompVis layouts), or a UserError that
-    says what the file is instead."""
+    """The family's name ("sdxl" or "sd") from the checkpoint's key names (the original SGM / CompVis layouts), or a
+    UserError that says what the file is instead."""
+    from sdpipe.models import families
+
     has = lambda prefix: any(k.startswith(prefix) for k in info)
     unet_in = info.get("model.diffusion_model.input_blocks.0.0.weight")
     if unet_in and len(unet_in[0]) == 4 and unet_in[0][1] != 4:
@@ -120,12 +122,11 @@ def family(path: str | Path, info: dict) -> str:
             f"{path} is an inpainting or other {unet_in[0][1]}-channel checkpoint; sdpipe fine-tunes "
             f"text-to-image SD 1.x/2.x and SDXL models (4 latent channels)"
         )
-    if has("conditioner.embedders.1."):
-        return "sdxl"
-    if has("conditioner.embedders.0.model."):
+    if has("conditioner.embedders.0.model.") and not has("conditioner.embedders.1."):
         raise UserError(f"{path} is an SDXL refiner checkpoint (one OpenCLIP text encoder); fine-tune the SDXL base")
-    if has("model.diffusion_model.") and has("cond_stage_model."):
-        return "sd"
+    found = families.from_single_file_keys(has)
+    if found:
+        return found.name
     if has("lora_") or any(".lora_" in k or "lora_down" in k for k in info):
         raise UserError(
             f"{path} is a LoRA file, not a base model; model.pretrained must be the full checkpoint it was trained on"
@@ -230,7 +231,7 @@ def convert(path: Path, fam: str, root: Path, configs: list[Path], out: Path, dt
     logging.getLogger(__name__).info(
         "converting single-file %s checkpoint %s to a diffusers folder at %s (once)", fam, path, out
     )
-    cls = families.FAMILIES[fam].pipeline()
+    cls = families.named(fam).pipeline()
     out.parent.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix=".configs.", dir=out.parent) as config_copy,

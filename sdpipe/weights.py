@@ -18,7 +18,6 @@ from sdpipe.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 CONFIG_NAMES = ("config.json", "model_index.json", "scheduler_config.json")
-WEIGHTED = ("unet", "vae", "text_encoder", "text_encoder_2")  # the pipeline components sdpipe loads weights of
 SHARD = re.compile(r"-\d{5}-of-\d{5}")
 
 

@@ -39,6 +39,7 @@ def test_the_instance_prompt_is_the_caption_most_instance_images_share(tmp_path)
         "base_hub_id": "stabilityai/stable-diffusion-xl-base-1.0",
         "components": {"unet": "lora", "text_encoder": "lora", "text_encoder_2": "lora"},
         "family": "Stable Diffusion XL",
+        "hub_tag": "stable-diffusion-xl",
         "lora": True,
         "dreambooth": {"class_prompt": "a photo of a dog"},
         "instance_prompt": found,

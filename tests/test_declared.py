@@ -133,3 +133,45 @@ def test_the_dvc_stage_tracks_what_its_modules_declare(stage):
     assert [p for p in sorted(inputs) if not _covers(p, spec.deps)] == []
     assert all(_covers(p, tracked_out) for p in outputs), (outputs, tracked_out)
     assert all(_covers(p, sorted(outputs)) for p in tracked_out), (tracked_out, outputs)
+
+
+def _dry_run_commands(tmp_path: Path, dreambooth: bool) -> dict[str, str]:
+    """Rule name -> the shell command Snakemake plans for it, for the demo config (it trains its VAE) or with
+    DreamBooth on (class images come from the base model instead)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from sdpipe import demo
+    from tests.workflow_helpers import make_project
+
+    proj = make_project(tmp_path / f"proj-{dreambooth}", None)
+    demo.generate(proj / "data" / "raw", count=4, seed=0)
+    cfg = yaml.safe_load((proj / "config/config.yaml").read_text())
+    if dreambooth:
+        cfg["dreambooth"].update({"enabled": True, "class_prompt": "a shape"})
+        cfg["model"]["train_vae"]["enabled"] = False
+    (proj / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p"], cwd=proj, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = re.findall(r"^rule (\w+):.*?^Shell command: (.*?)$", out.stdout + out.stderr, flags=re.M | re.S)
+    return dict(jobs)
+
+
+def test_the_rules_use_the_paths_the_stages_declare(tmp_path):
+    """The paths are declared once, in each stage module's INPUTS and OUTPUTS: every path a rule hands a stage's
+    --flag is the one the stage declares under that name, and every declared output is handed over. (A path written
+    differently in a rule would run the stage on a file its neighbours do not read.)"""
+    commands = {**_dry_run_commands(tmp_path, False), **_dry_run_commands(tmp_path, True)}
+    for module in MODULES:
+        if module not in commands:
+            continue  # the benchmark runs only when asked for
+        flags = dict(re.findall(r"--([a-z][a-z-]*) ([^\s>]+)", commands[module]))
+        d = declared(module)
+        for name, path in {**d.inputs, **d.outputs}.items():
+            flag = name.replace("_", "-")
+            if flag in flags:
+                assert flags[flag] == path, (module, name)
+        assert all(name.replace("_", "-") in flags for name in d.outputs), (module, sorted(flags))
+    assert set(MODULES) - set(commands) == {"benchmark"}

@@ -24,6 +24,9 @@ def test_the_closure_follows_imports_inside_functions():
     assert "sdpipe.generate" in dvc_file.code_modules("sdpipe.stages.evaluate", REPO)  # imported inside render()
     assert "sdpipe.models" in dvc_file.code_modules("sdpipe.models.presets", REPO)
     assert "sdpipe.train.loop" in dvc_file.code_modules("sdpipe.stages.train", REPO)
+    # models/families/ imports each family's module at run time: every one is code the latents stage runs
+    found = dvc_file.code_modules("sdpipe.stages.latents", REPO)
+    assert {f"sdpipe.models.families.{p.stem}" for p in (REPO / "sdpipe/models/families").glob("[!_]*.py")} <= found
 
 
 @pytest.mark.parametrize("stage", sorted(dvc_file.STAGES))

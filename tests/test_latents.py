@@ -248,7 +248,7 @@ def test_kill_during_caching_loses_only_the_batch_in_flight(tmp_path, tiny_model
 def test_compiled_encoder_uses_plain_attention_only_where_its_scores_fit():
     from types import SimpleNamespace
 
-    from sdpipe.stages import encode_worker
+    from sdpipe.latents import encode as encode_worker
 
     vae = SimpleNamespace(config=SimpleNamespace(block_out_channels=(128, 256, 512, 512)))  # SD's VAE: 8x down
 
@@ -263,7 +263,7 @@ def test_compiled_encoder_uses_plain_attention_only_where_its_scores_fit():
 def test_the_compiled_encoder_turns_on_cudnns_autotuner(tiny_model, monkeypatch):
     """Every encoder speed in benchmarks/NOTES.md was measured with cudnn.benchmark; the stage had left it off
     (batch 64: 389.6 images/s in the stage against 415.8 bare, v10). Compiling is lazy, so this runs on a CPU."""
-    from sdpipe.stages import encode_worker
+    from sdpipe.latents import encode as encode_worker
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     settings = {"pretrained": str(tiny_model), "revision": None, "variant": None, "dtype": "fp32"}
@@ -286,7 +286,7 @@ def test_the_compiled_encoder_turns_on_cudnns_autotuner(tiny_model, monkeypatch)
     ],
 )
 def test_auto_batch_is_the_largest_that_fits_in_free_gpu_memory(monkeypatch, free_gib, bucket, dtype, expected):
-    from sdpipe.stages import encode_worker
+    from sdpipe.latents import encode as encode_worker
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_gib * 2**30), 141 * 2**30))
     jobs = [{"pre": {"bucket": [256, 256]}}, {"pre": {"bucket": bucket}}]  # the largest bucket decides

@@ -289,7 +289,7 @@ def test_sd3_and_flux_folders_are_refused_not_taken_for_sdxl(tmp_path, index, na
     from sdpipe.models import loading
 
     (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UserError, match=f"is a {named} model; sdpipe trains SD 1.x/2.x and SDXL UNet pipelines"):
+    with pytest.raises(UserError, match=f"is a {named} model; sdpipe trains SD 1.x/2.x and SDXL pipelines"):
         loading.pipeline_family(str(tmp_path))
 
 

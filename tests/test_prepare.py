@@ -17,28 +17,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdpipe import config, io
+from sdpipe import config, io, records
 from sdpipe.buckets import assign_bucket, make_buckets
 from sdpipe.errors import UserError
-from sdpipe.stages import prepare, prepare_decode
+from sdpipe.prepare import decode as prepare_decode
+from sdpipe.stages import prepare
 
 REPO = Path(__file__).resolve().parent.parent
-ROW_KEYS = {
-    "id",
-    "path",
-    "width",
-    "height",
-    "format",
-    "mode",
-    "bucket",
-    "split",
-    "repeats",
-    "folder",
-    "sidecar",
-    "sidecar_path",
-    "file",
-    "role",
-}
+ROW_KEYS = set(records.ManifestRow.__annotations__)
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------

@@ -71,16 +71,18 @@ def _baseline_run(unet, cfg: Config, data, draws, scheduler, mixed: bool) -> lis
 
 
 def _sdpipe_run(unet, cfg: Config, data, draws, scheduler, device) -> list[float]:
+    from sdpipe.models import families
     from sdpipe.train import objective
     from sdpipe.train.models import build_optimizer, prepare_for_gpu_compile, training_forward
 
     prepare_for_gpu_compile(cfg, unet, device)  # what build_unet does for the train stage
     forward = training_forward(cfg, unet, device)
     opt = build_optimizer(cfg, unet, [])
-    losses = []
+    losses, family = [], families.from_unet_config(dict(unet.config))
     for d in draws:
+        autocast = lambda: baseline.autocast(device)
         loss = objective.sample_losses(
-            forward, scheduler, data["latents"], d, data, cfg.train, "epsilon", lambda: baseline.autocast(device)
+            forward, family.objective, scheduler, data["latents"], d, data, cfg.train, "epsilon", autocast
         ).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.train.max_grad_norm)

@@ -29,7 +29,6 @@ KNOWN_LICENSES = {
     "stabilityai/stable-diffusion-2-1-base": "openrail++",
     "stabilityai/stable-diffusion-xl-base-1.0": "openrail++",
 }
-FAMILIES = {"sd_v1": "Stable Diffusion 1.x", "sd_v2": "Stable Diffusion 2.x", "sdxl_base_v1-0": "Stable Diffusion XL"}
 
 
 def hub_id(name: str) -> str | None:
@@ -58,6 +57,16 @@ def instance_prompt(manifest: Path, captions: Path) -> tuple[str, int, int] | No
     return prompt, n, len(instance)
 
 
+def _base(export: dict) -> dict:
+    """The base model's name and Hub tag, from the version the export recorded (the family knows its bases)."""
+    from sdpipe.models import families
+
+    base = families.base_named(export.get("base_model_version") or "")
+    if base is None:
+        return {"family": export.get("family", "unknown"), "hub_tag": "stable-diffusion"}
+    return {"family": base.title, "hub_tag": base.hub_tag}
+
+
 def gather(cfg: Config, inputs: dict[str, Path]) -> dict:
     export = required(inputs["export"], "export")
     metrics = required(inputs["metrics"], "evaluate")
@@ -67,7 +76,7 @@ def gather(cfg: Config, inputs: dict[str, Path]) -> dict:
         "base": cfg.model.pretrained,
         "base_hub_id": hub_id(cfg.model.pretrained),
         "license": KNOWN_LICENSES.get(cfg.model.pretrained, "other"),
-        "family": FAMILIES.get(export.get("base_model_version"), export.get("family", "unknown")),
+        **_base(export),
         "components": export["components"],
         "lora": "lora" in export["components"].values(),
         "lora_settings": vars(t.lora),

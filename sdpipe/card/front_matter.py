@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import yaml
 
-FAMILY_TAGS = {"Stable Diffusion XL": "stable-diffusion-xl"}
-
 
 def tags(facts: dict) -> list[str]:
     found = [
-        FAMILY_TAGS.get(facts["family"], "stable-diffusion"),
+        facts["hub_tag"],
         "stable-diffusion-diffusers",
         "text-to-image",
         "diffusers",

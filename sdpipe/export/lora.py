@@ -26,7 +26,6 @@ from sdpipe.models import families, loading
 log = logging.getLogger(__name__)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' save_lora_weights name
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 _DOWN, _UP = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -43,7 +42,7 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
         raise UserError(f"cannot read a diffusers LoRA ({LORA_FILE}) at {lora}: {exc}") from None
     if not state:
         raise UserError(f"{path} holds no tensors: not a LoRA")
-    odd = [k for k in state if not (k.split(".")[0] in COMPONENTS and k.endswith((_DOWN, _UP)))]
+    odd = [k for k in state if not (k.split(".")[0] in families.components() and k.endswith((_DOWN, _UP)))]
     if odd:
         raise UserError(
             f"{path} is not a diffusers LoRA of UNet/text encoders (unexpected tensor {odd[0]}); "
@@ -106,13 +105,17 @@ def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict
 def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
     """Every adapted layer must exist in the base model with the (out, in) shape the LoRA was trained on."""
     root, _ = loading.model_index(str(base_model))
+    family = loading.pipeline_family(str(base_model))
     modules, fail = lora_modules(state), f"LoRA {lora} does not match base model {base_model}"
     layers = {}
     for component in sorted({c for c, _ in modules}):
         if not (root / component).is_dir():
             raise UserError(f"{fail}: it adapts {component}, which the base model does not have")
         layers.update(
-            {(component, n.removeprefix("text_model.")): m for n, m in meta_model(root, component).named_modules()}
+            {
+                (component, n.removeprefix("text_model.")): m
+                for n, m in meta_model(root, component, family).named_modules()
+            }
         )
     for (component, module), (down, up) in modules.items():
         layer = layers.get((component, module.removeprefix("text_model.")))

@@ -14,34 +14,30 @@ from sdpipe import io
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
+    from sdpipe.models.families import Base
 
-# kohya's ss_base_model_version -> the model spec's architecture and reference implementation
-SPECS = {
-    "sd_v1": ("stable-diffusion-v1", "https://github.com/CompVis/stable-diffusion"),
-    "sd_v2": ("stable-diffusion-v2-512", "https://github.com/Stability-AI/stablediffusion"),
-    "sd_v2_v": ("stable-diffusion-v2-768-v", "https://github.com/Stability-AI/stablediffusion"),
-    "sdxl_base_v1-0": ("stable-diffusion-xl-v1-base", "https://github.com/Stability-AI/generative-models"),
-}
+
+def base(model: Path, family: str, prediction: str = "epsilon") -> Base:
+    """The base model the family reads from the exported denoiser's config (SD: 1.x, or 2.x when the UNet attends
+    to 1024-wide OpenCLIP-H text states)."""
+    from sdpipe.models import families
+
+    fam = families.named(family)
+    return fam.base(io.read_json(Path(model) / fam.denoiser / "config.json"), prediction)
 
 
 def base_version(model: Path, family: str) -> str:
-    """kohya's name for the base: SDXL, else SD 2.x when the UNet attends to 1024-wide text states (OpenCLIP-H),
-    else SD 1.x."""
-    from sdpipe.models import families
-
-    if families.named(family).kohya_base:
-        return families.named(family).kohya_base
-    unet = io.read_json(Path(model) / "unet" / "config.json")
-    return "sd_v2" if unet.get("cross_attention_dim") == 1024 else "sd_v1"
+    """kohya's name for the base (ss_base_model_version)."""
+    return base(model, family).version
 
 
 def file_metadata(cfg: Config, info: dict, model: Path, adapter: dict | None = None) -> dict[str, str]:
     """Metadata for an exported single file, or for a LoRA when `adapter` is its UNet's peft adapter config (rank and
     alpha as trained); `info` is the trained run's final.json, `model` the exported diffusers folder."""
     lora = adapter is not None
-    version = base_version(model, info["family"])
     prediction = info.get("prediction_type") or cfg.train.prediction_type or "epsilon"
-    arch, implementation = SPECS["sd_v2_v" if version == "sd_v2" and prediction == "v_prediction" else version]
+    spec = base(model, info["family"], prediction)
+    version, arch, implementation = spec.version, spec.architecture, spec.implementation
     res = cfg.prepare.buckets.resolution
     name = cfg.export.name
     meta = {

@@ -139,6 +139,10 @@ def rename(state: dict, modules: dict[str, str], what: str) -> dict:
     return out
 
 
+# The family's single_file_denoiser -> its diffusers -> original module map.
+DENOISER_MAPS = {"ldm_unet": unet_modules}
+
+
 def vae_state(vae) -> dict:
     state = rename(vae.state_dict(), vae_modules(vae.config), "VAE")
     # The original mid-block attention uses 1x1 convolutions where diffusers has linear layers.
@@ -172,16 +176,18 @@ def open_clip_state(encoder) -> dict:
 def original_state_dict(unet, vae, encoders: list, family: str) -> dict:
     """All pipeline weights under their original-layout names (views of the models' tensors where the layout
     allows, so exporting does not double the memory)."""
-    state = {UNET_PREFIX + k: v for k, v in rename(unet.state_dict(), unet_modules(unet.config), "UNet").items()}
+    fam = families.named(family)
+    denoiser_map = DENOISER_MAPS[fam.single_file_denoiser or ""]
+    state = {UNET_PREFIX + k: v for k, v in rename(unet.state_dict(), denoiser_map(unet.config), "UNet").items()}
     state.update({VAE_PREFIX + k: v for k, v in vae_state(vae).items()})
-    for layout, encoder in zip(families.named(family).single_file_text, encoders):
-        state.update(
-            clip_state(encoder, families.named(family).clip_prefix) if layout == "clip" else open_clip_state(encoder)
-        )
+    for layout, encoder in zip(fam.single_file_text, encoders):
+        state.update(clip_state(encoder, fam.clip_prefix) if layout == "clip" else open_clip_state(encoder))
     return state
 
 
 def _check_text_encoders(model: str, family: str, encoders: list) -> None:
+    if families.named(family).single_file_denoiser not in DENOISER_MAPS:
+        raise UserError(f"{model}: sdpipe has no single-file export for {families.named(family).title} models")
     layouts = families.named(family).single_file_text
     if len(encoders) != len(layouts):
         raise UserError(f"{model}: single-file export supports SDXL base (two text encoders), not the refiner")
@@ -210,19 +216,20 @@ def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16", 
     return Path(out)
 
 
-def meta_model(root: Path, name: str):
-    """Pipeline component `name` (unet, vae, text_encoder, text_encoder_2) built from its config on the meta device:
+def meta_model(root: Path, name: str, family: str):
+    """Pipeline component `name` (the denoiser, vae, or a text encoder) built from its config on the meta device:
     names and shapes, no weights read."""
+    import transformers
     from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import AutoencoderKL
 
+    fam = families.named(family)
     with init_empty_weights():
-        if name in ("unet", "vae"):
-            cls = UNet2DConditionModel if name == "unet" else AutoencoderKL
+        if name in (fam.denoiser, "vae"):
+            cls = fam.denoiser_type() if name == fam.denoiser else AutoencoderKL
             return cls.from_config(cls.load_config(root / name))
-        cls = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel  # as in SD and SDXL
-        return cls(CLIPTextConfig.from_pretrained(root / name))
+        cls = getattr(transformers, next(p.encoder_class for p in fam.text_parts if p.encoder == name))
+        return cls(transformers.AutoConfig.from_pretrained(root / name))
 
 
 def _check_keys(path: str | Path, root: Path, family: str) -> None:
@@ -235,8 +242,11 @@ def _check_keys(path: str | Path, root: Path, family: str) -> None:
             present = set(f.keys())
     except (OSError, SafetensorError) as exc:
         raise UserError(f"cannot read {path} as a .safetensors checkpoint: {exc}") from None
-    encoders = [meta_model(root, name) for name in families.named(family).text_encoders]
-    expected = original_state_dict(meta_model(root, "unet"), meta_model(root, "vae"), encoders, family)
+    fam = families.named(family)
+    encoders = [meta_model(root, name, family) for name in fam.text_encoders]
+    expected = original_state_dict(
+        meta_model(root, fam.denoiser, family), meta_model(root, "vae", family), encoders, family
+    )
     missing = sorted(set(expected) - present)
     if missing:
         raise UserError(

@@ -14,14 +14,11 @@ from typing import Any, Iterator
 
 import torch
 import transformers
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from diffusers import AutoencoderKL, ModelMixin
 
 from sdpipe import io, weights
 from sdpipe.errors import UserError
 from sdpipe.models import families
-
-# (tokenizer, text encoder) pairs in pipeline order; SDXL's refiner has only the second.
-TEXT_PAIRS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
 
 
 def model_index(pretrained: str, revision: str | None = None) -> tuple[Path, dict]:
@@ -37,19 +34,25 @@ def model_index(pretrained: str, revision: str | None = None) -> tuple[Path, dic
 
 
 def pipeline_family(pretrained: str, revision: str | None = None) -> str:
-    """ "sdxl" for SDXL pipelines (base or refiner), "sd" for SD 1.x / 2.x; any other pipeline is a UserError."""
+    """The family's name ("sdxl" for SDXL pipelines, base or refiner; "sd" for SD 1.x / 2.x); any pipeline no
+    family claims is a UserError."""
+    return family_of(pretrained, revision).name
+
+
+def family_of(pretrained: str, revision: str | None = None) -> families.Family:
     _, index = model_index(pretrained, revision)
-    return families.detect(index, str(pretrained)).name
+    return families.detect(index, str(pretrained))
 
 
 def text_component_names(pretrained: str, revision: str | None = None) -> list[str]:
     """The text encoder subfolders, in pipeline order: the weights that text embeddings depend on."""
     _, index = model_index(pretrained, revision)
-    names = [enc for _, enc in TEXT_PAIRS if families.present(index, enc)]
+    family = families.detect(index, str(pretrained))
+    names = [enc for enc in family.text_encoders if families.present(index, enc)]
     if not names:
         raise UserError(
-            f"{pretrained} has no text encoder (model_index.json lists neither text_encoder nor "
-            f"text_encoder_2); sdpipe needs a text-conditioned SD/SDXL pipeline"
+            f"{pretrained} has no text encoder (model_index.json lists none of {', '.join(family.text_encoders)}); "
+            f"sdpipe needs a text-conditioned {family.title} pipeline"
         )
     return names
 
@@ -72,10 +75,11 @@ def _frozen(model: torch.nn.Module, device: str | torch.device, dtype: torch.dty
     return model
 
 
-def _class(index: dict, name: str, default: type) -> Any:
-    """The class model_index.json names for a component (e.g. CLIPTextModelWithProjection), if transformers has it."""
+def _class(index: dict, name: str, default: str) -> Any:
+    """The class model_index.json names for a component (e.g. CLIPTextModelWithProjection), if transformers has it,
+    else the family's default."""
     entry = index.get(name) or [None, None]
-    return getattr(transformers, entry[1] or "", None) or default
+    return getattr(transformers, entry[1] or "", None) or getattr(transformers, default)
 
 
 def load_vae(
@@ -98,19 +102,27 @@ def load_unet(
     variant: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> UNet2DConditionModel:
-    """The UNet as saved (trainable: grads on, eval mode as from_pretrained leaves it; training calls .train())."""
-    root, _ = model_index(pretrained, revision)
-    with user_errors(pretrained, "the UNet", variant):
-        unet = UNet2DConditionModel.from_pretrained(root, subfolder="unet", variant=variant, torch_dtype=dtype)
-    return unet.to(device=device)
+) -> ModelMixin:
+    """The family's denoiser (the UNet) as saved (trainable: grads on, eval mode as from_pretrained leaves it;
+    training calls .train())."""
+    root, index = model_index(pretrained, revision)
+    family = families.detect(index, str(pretrained))
+    with user_errors(pretrained, f"the {family.denoiser}", variant):
+        model = family.denoiser_type().from_pretrained(
+            root, subfolder=family.denoiser, variant=variant, torch_dtype=dtype
+        )
+    return model.to(device=device)
 
 
-def load_noise_scheduler(pretrained: str, revision: str | None = None) -> DDPMScheduler:
-    """The training noise schedule: DDPM with the pipeline's betas and prediction type (SDXL ships Euler's config)."""
-    root, _ = model_index(pretrained, revision)
+def load_noise_scheduler(pretrained: str, revision: str | None = None):
+    """The training noise schedule of the family's objective with the pipeline's settings: for SD and SDXL, DDPM
+    with the pipeline's betas and prediction type (SDXL ships Euler's config)."""
+    import diffusers
+
+    root, index = model_index(pretrained, revision)
+    cls = getattr(diffusers, families.detect(index, str(pretrained)).objective.scheduler_class)
     with user_errors(pretrained, "the scheduler", None):
-        return DDPMScheduler.from_pretrained(root, subfolder="scheduler")
+        return cls.from_pretrained(root, subfolder="scheduler")
 
 
 class TextStack:
@@ -130,7 +142,8 @@ class TextStack:
         names: tuple[str, ...] | list[str] = (),
     ):
         self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
-        self.names = list(names) or [enc for _, enc in TEXT_PAIRS][: len(encoders)]  # pipeline component names
+        default = families.named(family).text_encoders[: len(encoders)]
+        self.names = list(names) or list(default)  # pipeline component names
         self.dtype, self.device = dtype, torch.device(device)
 
     def ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -159,17 +172,19 @@ def load_text_stack(
     device: str | torch.device = "cpu",
 ) -> TextStack:
     root, index = model_index(pretrained, revision)
-    family, tokenizers, encoders, names = pipeline_family(pretrained, revision), [], [], []
-    for tok_name, enc_name in TEXT_PAIRS:
-        if not families.present(index, enc_name):
+    family, tokenizers, encoders, names = families.detect(index, str(pretrained)), [], [], []
+    for part in family.text_parts:
+        if not families.present(index, part.encoder):
             continue
-        with user_errors(pretrained, f"{tok_name}/{enc_name}", variant):
-            tokenizers.append(_class(index, tok_name, transformers.CLIPTokenizer).from_pretrained(root / tok_name))
-            encoder = _class(index, enc_name, transformers.CLIPTextModel).from_pretrained(
-                root / enc_name, variant=variant
+        with user_errors(pretrained, f"{part.tokenizer}/{part.encoder}", variant):
+            tokenizers.append(
+                _class(index, part.tokenizer, part.tokenizer_class).from_pretrained(root / part.tokenizer)
+            )
+            encoder = _class(index, part.encoder, part.encoder_class).from_pretrained(
+                root / part.encoder, variant=variant
             )
         encoders.append(_frozen(encoder, device, dtype))
-        names.append(enc_name)
+        names.append(part.encoder)
     if not encoders:
         text_component_names(pretrained, revision)  # raises the UserError that explains it
-    return TextStack(family, tokenizers, encoders, dtype=dtype, device=device, names=names)
+    return TextStack(family.name, tokenizers, encoders, dtype=dtype, device=device, names=names)

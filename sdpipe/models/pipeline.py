@@ -38,10 +38,9 @@ def load_pipeline(
     **components,
 ):
     """StableDiffusion(XL)Pipeline from a diffusers folder or cached hub id; no safety checker, no watermark."""
-    from sdpipe.models import families
 
     root = loading.model_index(pretrained, revision)[0]
-    family = families.FAMILIES[loading.pipeline_family(pretrained, revision)]
+    family = loading.family_of(pretrained, revision)
     with no_load_bars(), loading.user_errors(pretrained, "the pipeline", variant):
         pipe = family.pipeline().from_pretrained(
             root, torch_dtype=dtype, variant=variant, local_files_only=True, **dict(family.load_args), **components

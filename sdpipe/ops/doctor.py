@@ -90,7 +90,7 @@ def pipeline_status(root: Path, variant: str | None = None) -> str:
     """What from_pretrained on `root` needs, checked without loading a tensor: model_index.json, every listed
     component's configs parsing, and the UNet/VAE/text encoders' weight files with readable, whole headers."""
     from sdpipe import io
-    from sdpipe.weights import WEIGHTED
+    from sdpipe.models import families
 
     if not (root / "model_index.json").is_file():
         raise UserError(f"missing: {root} has no model_index.json (not a diffusers pipeline folder)")
@@ -104,7 +104,7 @@ def pipeline_status(root: Path, variant: str | None = None) -> str:
             raise UserError(f"missing: {folder}/ (listed in model_index.json)")
         for config in folder.glob("*.json"):
             _read_config(config)
-        if name in WEIGHTED:
+        if name in families.components():
             size += sum(p.stat().st_size for p in _component_weights(folder, name, variant))
         count += 1
     return f"{root} ({count} components, {size / 1e9:.2f} GB of weights)"

@@ -77,14 +77,13 @@ def trained_pipeline(
 ):
     """The base pipeline with the trained components: full ones replace the base's, LoRA ones are loaded as
     adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
-    from diffusers import UNet2DConditionModel
-
     from sdpipe.models.pipeline import load_pipeline
 
+    family = loading.family_of(cfg.model.pretrained, cfg.model.revision)
     parts = {}
     for name, mode in components.items():
-        if mode == "full" and name == "unet":
-            parts[name] = UNet2DConditionModel.from_pretrained(source / name, torch_dtype=dtype)
+        if mode == "full" and name == family.denoiser:
+            parts[name] = family.denoiser_type().from_pretrained(source / name, torch_dtype=dtype)
         elif mode == "full":
             parts[name] = _text_class(cfg, name).from_pretrained(source / name, torch_dtype=dtype)
     # The trained objective goes into the scheduler config, so the exported pipeline samples with it.

@@ -163,7 +163,7 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     )
 
     start = time.perf_counter()
-    from sdpipe.stages.encode_worker import encode
+    from sdpipe.latents.encode import encode
 
     settings = _worker_settings(cfg, root, len(devices))
     results = parallel.run_sharded(encode, todo, devices, "encoding", settings=settings) if todo else []

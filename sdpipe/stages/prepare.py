@@ -5,7 +5,7 @@ extension, in which case it is the sidecar caption of the image with the same st
 fully decoded once (in a process pool for large folders); a file that fails goes to the rejected list with a
 one-line reason instead of stopping the run. Raw files are only ever read.
 
-Decoding is cached by content (see prepare_decode), so adding ten images to ten thousand decodes ten.
+Decoding is cached by content (see sdpipe/prepare/decode.py), so adding ten images to ten thousand decodes ten.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.prepare.decode import inspect_all
 from sdpipe.records import ManifestRow
-from sdpipe.stages.prepare_decode import inspect_all
 
 if TYPE_CHECKING:
     from sdpipe.config import Config

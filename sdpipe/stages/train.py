@@ -96,14 +96,15 @@ def _check_topology(cfg: Config, world: int) -> None:
 def _check_lora_targets(cfg: Config) -> None:
     """Build the UNet on the meta device (no weights) just to see its module names."""
     import torch
-    from diffusers import UNet2DConditionModel
 
     from sdpipe.models import loading
     from sdpipe.train.models import add_lora
 
     root, _ = loading.model_index(cfg.model.pretrained, cfg.model.revision)
+    family = loading.family_of(cfg.model.pretrained, cfg.model.revision)
+    cls = family.denoiser_type()
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(root), subfolder="unet"))
+        unet = cls.from_config(cls.load_config(str(root), subfolder=family.denoiser))
     add_lora(unet, cfg.train.lora)
 
 
@@ -115,10 +116,12 @@ def _check_text_lora_targets(cfg: Config) -> None:
     from sdpipe.train.models import add_text_lora
 
     root, index = loading.model_index(cfg.model.pretrained, cfg.model.revision)
+    parts = {part.encoder: part for part in loading.family_of(cfg.model.pretrained, cfg.model.revision).text_parts}
     for name in loading.text_component_names(cfg.model.pretrained, cfg.model.revision):
         config = transformers.AutoConfig.from_pretrained(root / name)
+        cls = getattr(transformers, index[name][1] or parts[name].encoder_class)
         with torch.device("meta"):
-            add_text_lora(getattr(transformers, index[name][1] or "CLIPTextModel")(config), cfg)
+            add_text_lora(cls(config), cfg)
 
 
 def launch_command(cfg: Config, world: int, config_path: Path, index: Path, out: Path, summary: Path) -> list[str]:

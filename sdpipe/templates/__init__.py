@@ -40,8 +40,11 @@ def summary(name: str) -> str:
 
 
 def family(name: str) -> str:
-    """The model family a template is written for, from its name: "sdxl" or "sd"."""
-    return "sdxl" if name.startswith("sdxl") else "sd"
+    """The model family a template is written for: the longest family name its name starts with ("sdxl-lora" is
+    "sdxl", "sd15-lora" is "sd")."""
+    from sdpipe.models import families
+
+    return max((f for f in families.names() if name.startswith(f)), key=len)
 
 
 def settings(name: str) -> dict:

@@ -296,7 +296,15 @@ def micro_step(
             batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
     losses = (
         objective.sample_losses(
-            run.forward, run.noise_scheduler, batch["latents"], draws, batch, t, run.prediction_type, acc.autocast
+            run.forward,
+            run.data.family.objective,
+            run.noise_scheduler,
+            batch["latents"],
+            draws,
+            batch,
+            t,
+            run.prediction_type,
+            acc.autocast,
         )
         * batch["weight"]
     )
@@ -529,13 +537,13 @@ def main(argv: list[str] | None = None) -> int:
                 run.trained(),
                 run.modes(),
                 run.out / "final",
-                run.ema,
                 {
                     "base": run.cfg.model.pretrained,
                     "family": run.data.index["model"]["family"],
                     "prediction_type": run.prediction_type,
                     "optimizer_steps": run.step,
                 },
+                run.ema,
             )
         warn_about_alloc_retries(run)
         write_summary(run, Path(args.summary), time.perf_counter() - start, run.state.samples_seen_total - seen_before)

@@ -221,9 +221,10 @@ def _lora_layers(name: str, model) -> dict:
     }
 
 
-def _save_weights(models: dict, modes: dict, folder) -> None:
-    """Full models in diffusers folders (unet/, text_encoder/, ...); LoRA adapters in one diffusers/peft file."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+def _save_weights(models: dict, modes: dict, folder, family: str) -> None:
+    """Full models in diffusers folders (unet/, text_encoder/, ...); LoRA adapters in one diffusers/peft file,
+    written by the family's pipeline (only SDXL's knows text_encoder_2)."""
+    from sdpipe.models import families
 
     lora = {}
     for name, model in models.items():
@@ -232,14 +233,13 @@ def _save_weights(models: dict, modes: dict, folder) -> None:
         else:
             model.save_pretrained(str(folder / name))
     if lora:
-        # Only the XL pipeline knows text_encoder_2; both write the same format for the rest.
-        pipe = StableDiffusionXLPipeline if "text_encoder_2" in models else StableDiffusionPipeline
-        pipe.save_lora_weights(str(folder), **lora)
+        families.named(family).pipeline().save_lora_weights(str(folder), **lora)
 
 
-def save_final(accelerator, trained: dict, modes: dict, out, ema=None, info: dict | None = None) -> None:
+def save_final(accelerator, trained: dict, modes: dict, out, info: dict, ema=None) -> None:
     """Rank 0 writes the trained weights (component name -> wrapped model, trained fully or as LoRA), with EMA
-    the averaged weights too in the same layout under ema/, and final.json saying what the folder holds."""
+    the averaged weights too in the same layout under ema/, and final.json saying what the folder holds (`info`,
+    with the model family's name)."""
     from sdpipe import io
 
     accelerator.wait_for_everyone()
@@ -247,12 +247,12 @@ def save_final(accelerator, trained: dict, modes: dict, out, ema=None, info: dic
         return
     models = {name: accelerator.unwrap_model(m) for name, m in trained.items()}
     with io.atomic_dir(out) as tmp:
-        _save_weights(models, modes, tmp)
+        _save_weights(models, modes, tmp, info["family"])
         if ema is not None:
             params = [p for m in models.values() for p in trainable(m)]
             ema.store(params)
             ema.copy_to(params)
             (tmp / "ema").mkdir()
-            _save_weights(models, modes, tmp / "ema")
+            _save_weights(models, modes, tmp / "ema", info["family"])
             ema.restore(params)
-        io.write_json(tmp / "final.json", {**(info or {}), "components": modes, "ema": ema is not None})
+        io.write_json(tmp / "final.json", {**info, "components": modes, "ema": ema is not None})

@@ -12,12 +12,12 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import torch
-from diffusers.training_utils import compute_snr
 
 from sdpipe.models import families
 
 if TYPE_CHECKING:
     from sdpipe.config import TrainConfig
+    from sdpipe.models.objectives import Objective
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -44,50 +44,36 @@ def draw(
     return out
 
 
-def noisy_input(scheduler, latents: torch.Tensor, draws: dict, input_perturbation: float) -> torch.Tensor:
+def noisy_input(objective: Objective, scheduler, latents: torch.Tensor, draws: dict, perturbation: float):
     noise = draws["noise"]
-    if (
-        input_perturbation
-    ):  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target
-        noise = noise + input_perturbation * draws["perturb"]
-    return scheduler.add_noise(latents, noise, draws["timesteps"])
-
-
-def target(scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor, prediction_type: str):
-    if prediction_type == "epsilon":
-        return noise
-    return scheduler.get_velocity(latents, noise, timesteps)
+    if perturbation:  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target
+        noise = noise + perturbation * draws["perturb"]
+    return objective.noisy(scheduler, latents, noise, draws["timesteps"])
 
 
 def sample_losses(
-    forward, scheduler, latents: torch.Tensor, draws: dict, cond: dict, t, prediction_type: str, autocast
+    forward,
+    objective: Objective,
+    scheduler,
+    latents: torch.Tensor,
+    draws: dict,
+    cond: dict,
+    t,
+    prediction_type: str,
+    autocast,
 ) -> torch.Tensor:
     """The training objective for one batch: per-sample losses [B] of `forward` (the UNet, compiled or not).
 
-    `cond` holds the text states ("hidden"; SDXL also "pooled" and "time_ids"); `t` is the train config; `autocast`
-    a context factory (the accelerator's). The benchmark's parity check calls this very function.
+    `objective` is the family's (models/objectives.py); `cond` holds the text states ("hidden"; SDXL also "pooled"
+    and "time_ids"); `t` is the train config; `autocast` a context factory (the accelerator's). The benchmark's
+    parity check calls this very function.
     """
-    noisy = noisy_input(scheduler, latents, draws, t.input_perturbation)
+    noisy = noisy_input(objective, scheduler, latents, draws, t.input_perturbation)
     added = families.added_conditioning(cond)
     with autocast():
         pred = forward(noisy, draws["timesteps"], encoder_hidden_states=cond["hidden"], added_cond_kwargs=added).sample
-    tgt = target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
-    return per_sample_loss(pred, tgt, scheduler, draws["timesteps"], prediction_type, t.snr_gamma)
-
-
-def per_sample_loss(
-    pred: torch.Tensor,
-    tgt: torch.Tensor,
-    scheduler,
-    timesteps: torch.Tensor,
-    prediction_type: str,
-    snr_gamma: float | None,
-) -> torch.Tensor:
-    """MSE per sample [B], optionally min-SNR-gamma weighted (Hang et al. 2023)."""
+    tgt = objective.target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
     mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
-    if snr_gamma is None:
+    if t.snr_gamma is None:
         return mse
-    snr = compute_snr(scheduler, timesteps)
-    weight = torch.minimum(snr, torch.full_like(snr, snr_gamma))
-    weight = weight / snr if prediction_type == "epsilon" else weight / (snr + 1)
-    return mse * weight
+    return mse * objective.snr_weight(scheduler, draws["timesteps"], prediction_type, t.snr_gamma)

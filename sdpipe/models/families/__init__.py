@@ -1,0 +1,193 @@
+"""The model families sdpipe trains, and which one a pipeline folder, a UNet config or a single file is.
+
+The family seam: one `Family` per module of this package (`sd.py`, `sdxl.py`) owns what differs between families:
+detection, the denoiser and text components and their classes, how text is embedded and which states condition the
+denoiser, the noise objective, extra conditioning, the pipeline class that renders it, the single-file and kohya
+names, and the base-model facts exports and cards carry. Code elsewhere asks the family (`named(name)`) instead of
+branching on its name. Adding a family is a module here that defines `FAMILY`; docs/ARCHITECTURE.md lists the rest
+(presets, templates, tests).
+
+A pipeline sdpipe cannot train (SD 3, Flux, or any other transformer-denoised one) is refused in one line instead
+of being taken for SDXL because it too has a second text encoder.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from sdpipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from sdpipe.models.loading import TextStack
+    from sdpipe.models.objectives import Objective
+
+
+class TextPart(NamedTuple):
+    """One tokenizer and text encoder of a pipeline: their subfolders and the classes used when model_index.json
+    names none that transformers has."""
+
+    tokenizer: str
+    encoder: str
+    tokenizer_class: str
+    encoder_class: str
+
+
+class Base(NamedTuple):
+    """A base model version, as exports and cards name it."""
+
+    version: str  # kohya's ss_base_model_version
+    title: str  # what the model card calls it
+    architecture: str  # the SAI model spec's modelspec.architecture
+    implementation: str  # the model spec's reference implementation
+    hub_tag: str  # the Hugging Face Hub tag of the family
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything sdpipe does differently per model family; code elsewhere asks the family instead of branching on
+    its name."""
+
+    name: str  # the value caches, presets, configs and template names record: "sd" or "sdxl"
+    title: str  # what users call it
+    priority: int  # detection asks families in descending priority: a more specific family before its fallback
+    # Detection: from a pipeline's model_index.json, a UNet config, and a single file's key names.
+    detects: Callable[[dict], bool]
+    unet_matches: Callable[[dict], bool]
+    single_file_keys: tuple[str, ...]  # key prefixes an original-layout file of this family has, all of them
+    pipeline_class: str  # the pipeline that renders it: a diffusers class name, or "module:Class" for one elsewhere
+    # from_pretrained arguments that keep rendering plain and comparable across runs: no safety checker (SD), no
+    # invisible watermark (SDXL; it alters pixels, and needs an optional package).
+    load_args: tuple[tuple[str, object], ...]
+    # The denoiser: its pipeline subfolder and diffusers class, and the objective it is trained on.
+    denoiser: str
+    denoiser_class: str
+    objective: Objective
+    # Text conditioning: the tokenizer/encoder pairs in pipeline order (a pipeline may lack some: SDXL's refiner has
+    # only the second), the encoder states the denoiser takes (cached per caption), and how they are computed.
+    text_parts: tuple[TextPart, ...]
+    text_fields: tuple[str, ...]
+    embed: Callable[[TextStack, list[str]], dict[str, torch.Tensor]]
+    # SDXL's micro-conditioning: each sample's original size, crop corner and target size ("time_ids").
+    size_conditioning: bool
+    # Exports: the original single-file layout of the denoiser ("ldm_unet": export/single_file.py's map; None: no
+    # single-file export) and of each text encoder ("clip" is OpenAI CLIP's transformer under `clip_prefix`,
+    # "open_clip" OpenCLIP's), and kohya's LoRA prefix per text component.
+    single_file_denoiser: str | None
+    single_file_text: tuple[str, ...]
+    clip_prefix: str
+    kohya_text_prefix: tuple[tuple[str, str], ...]
+    # The base model version from the UNet config and the prediction type (exports' metadata, the card).
+    base: Callable[[dict, str], Base]
+    bases: tuple[Base, ...]
+    # check-config's memory rule of thumb: activation GB per sample-megapixel, measured (sdpipe/plan.py)
+    activation_gb_per_mp: float
+
+    @property
+    def text_encoders(self) -> tuple[str, ...]:
+        return tuple(part.encoder for part in self.text_parts)
+
+    def pipeline(self):
+        """The pipeline class (a diffusers DiffusionPipeline)."""
+        module, _, name = self.pipeline_class.rpartition(":")
+        return getattr(importlib.import_module(module or "diffusers"), name)
+
+    def denoiser_type(self):
+        """The diffusers model class of the denoiser."""
+        import diffusers
+
+        return getattr(diffusers, self.denoiser_class)
+
+    def kohya_prefix(self, component: str) -> str:
+        return dict(self.kohya_text_prefix)[component]
+
+
+@functools.cache
+def registered() -> tuple[Family, ...]:
+    """Every family module's FAMILY, most specific first. Modules are found in this package, so a new family is a
+    new module."""
+    found = [importlib.import_module(f"{__name__}.{m.name}").FAMILY for m in pkgutil.iter_modules(__path__)]
+    return tuple(sorted(found, key=lambda f: -f.priority))
+
+
+def names() -> list[str]:
+    return [f.name for f in registered()]
+
+
+def named(name: str) -> Family:
+    """The family a cache, a preset or a trained run records by name."""
+    for family in registered():
+        if family.name == name:
+            return family
+    raise UserError(f"unknown model family {name!r}; sdpipe knows {', '.join(names())}")
+
+
+def added_conditioning(cond: dict) -> dict | None:
+    """The UNet's added_cond_kwargs for a batch's conditioning: the pooled text state and the size ids where the
+    family has them (SDXL), else None."""
+    return {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "pooled" in cond else None
+
+
+def from_unet_config(unet: dict) -> Family:
+    """The family of a UNet config."""
+    return next(f for f in registered() if f.unet_matches(unet))
+
+
+def from_single_file_keys(has: Callable[[str], bool]) -> Family | None:
+    """The family whose original-layout key prefixes a file has (`has(prefix)`), if any."""
+    return next((f for f in registered() if all(has(p) for p in f.single_file_keys)), None)
+
+
+def components() -> tuple[str, ...]:
+    """Every family's weighted pipeline components: denoisers, "vae" and text encoders, in a stable order."""
+    found = [c for f in registered() for c in (f.denoiser, "vae", *f.text_encoders)]
+    return tuple(sorted(set(found), key=found.index))
+
+
+def base_named(version: str) -> Base | None:
+    """The base model of kohya's version name, whichever family has it."""
+    return next((b for f in registered() for b in f.bases if b.version == version), None)
+
+
+# model_index.json class names of families sdpipe does not train, as users know them.
+UNSUPPORTED = {
+    "StableDiffusion3": "Stable Diffusion 3 / 3.5",
+    "Flux": "Flux",
+    "PixArt": "PixArt",
+    "Sana": "Sana",
+    "AuraFlow": "AuraFlow",
+    "Lumina": "Lumina",
+    "HunyuanDiT": "Hunyuan-DiT",
+    "Kandinsky": "Kandinsky",
+    "IF": "DeepFloyd IF",
+    "Wuerstchen": "Wuerstchen",
+    "StableCascade": "Stable Cascade",
+}
+
+
+def present(index: dict, name: str) -> bool:
+    """Whether model_index.json lists component `name` (a [library, class] pair, not [null, null])."""
+    entry = index.get(name)
+    return isinstance(entry, list) and bool(entry) and entry[0] is not None
+
+
+def detect(index: dict, where: str) -> Family:
+    """The family of the pipeline whose model_index.json is `index`, or a UserError naming what it is instead."""
+    cls = str(index.get("_class_name", ""))
+    known = next((title for prefix, title in UNSUPPORTED.items() if cls.startswith(prefix)), None)
+    family = None if known else next((f for f in registered() if f.detects(index)), None)
+    if family is None:
+        what = known or (f"{cls} " if cls else "") + (
+            "pipeline" if present(index, "unet") else "pipeline without a UNet"
+        )
+        trained = " and ".join(named(n).title for n in sorted(names()))
+        raise UserError(
+            f"{where} is a {what} model; sdpipe trains {trained} pipelines "
+            f"(model_index.json says {cls or 'no _class_name'})"
+        )
+    return family
