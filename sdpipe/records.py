@@ -2,14 +2,20 @@
 a caption row and the latent index is. Producers and readers annotate with these, and mypy checks the typed core
 against them (pyproject.toml's [tool.mypy]).
 
-The latent index carries its layout version (sdpipe/latent_index.py); training refuses an index of another version
-and asks for `snakemake latents`. Manifest and caption rows are read only by the stages right after them, which a
-changed layout reruns in the same DAG, so they carry none.
+Each record carries its layout version: every manifest and caption row its own `version`, the latent index one for
+the file (sdpipe/latent_index.py). A reader handed records of another version (outputs an older sdpipe wrote, kept
+because Snakemake does not rerun a stage when only the installed package changed) fails in one line naming the stage
+to rerun, instead of a KeyError deep inside it. Bump a version when its fields change.
 """
 
 from __future__ import annotations
 
 from typing import Literal, TypedDict
+
+MANIFEST_VERSION = 1
+CAPTIONS_VERSION = 1
+# The stage that writes each versioned JSONL record, and its version (stages.read_upstream checks it).
+ROW_VERSIONS = {"prepare": MANIFEST_VERSION, "caption": CAPTIONS_VERSION}
 
 Role = Literal["instance", "class"]  # a training image, or a DreamBooth class (regularisation) image
 Split = Literal["train", "eval"]
@@ -18,6 +24,7 @@ Split = Literal["train", "eval"]
 class ManifestRow(TypedDict):
     """One usable image: results/prepare/manifest.jsonl."""
 
+    version: int  # MANIFEST_VERSION
     id: str  # content id: the hash of the decoded pixels (renames keep it, edits change it)
     path: str  # relative to data.raw_dir (to the class-images folder for class images)
     file: str  # the path prepare read; jobs with their own copy of the raw folder use path instead
@@ -37,6 +44,7 @@ class ManifestRow(TypedDict):
 class CaptionRow(TypedDict):
     """One image's caption: results/captions/captions.jsonl."""
 
+    version: int  # CAPTIONS_VERSION
     id: str
     path: str
     split: Split | None
@@ -92,3 +100,49 @@ class LatentIndex(TypedDict):
     text_store: str
     items: list[LatentItem]
     failed: list[Failure]
+
+
+class StepPlanRecord(TypedDict):
+    """The step accounting of a run (train/accounting.py's StepPlan)."""
+
+    dataset_size: int
+    buckets: dict[str, int]  # "WxH" -> samples, sorted by bucket
+    world_size: int
+    per_device_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int  # samples per optimizer step when every batch is full
+    micro_steps_per_epoch: int
+    optimizer_steps_per_epoch: int
+    epochs: int
+    total_optimizer_steps: int
+    lr_schedule_steps: int
+    warmup_steps: int
+    samples_per_epoch: int
+
+
+class TrainRates(TypedDict):
+    """Steady throughput and, each under its own name, the seconds that are not steady (train/telemetry.py)."""
+
+    samples_per_s: float | None  # all ranks, the first logging window left out; None: too short to tell
+    warmup_s: float | None  # the first window's time beyond what the steady rate would have taken
+    compile_s: float | None  # torch.compile's own timers
+    time_to_first_step_s: float | None  # from the stage's start: launch, imports, loading, the first step
+    steady_steps_samples: int  # the samples the steady rate is measured over
+    validation_and_checkpoint_s: float | None  # paused for validation grids and checkpoints, not in the rate
+
+
+class TrainSummary(StepPlanRecord, TrainRates):
+    """results/train/summary.json: the run's plan, what it did, and how fast (rank 0 writes it)."""
+
+    optimizer_steps: int  # reached, over the run and its resumes
+    epochs_started: int
+    samples_seen: int  # over the run and its resumes
+    samples_this_run: int  # since this process started (a resume counts only its own)
+    seconds: float  # the training loop's wall time, everything included
+    compile: str  # what train.compile meant on this device: whole, blocks or eager
+    mode: str  # full or lora
+    mixed_precision: str
+    prediction_type: str
+    device: str
+    peak_memory_mb: float | None  # None off CUDA
+    cuda_alloc_retries: int | None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sdpipe import captioners, config, io
+from sdpipe import captioners, config, io, records
 from sdpipe.captioners import free
 from sdpipe.errors import UserError
 from sdpipe.stages import caption
@@ -104,6 +104,7 @@ def add_image(raw: Path, rel: str, index: int, sidecar: str | None = None, folde
 
 def row_for(raw: Path, rel: str, sidecar: str | None = None, folder: str = "") -> dict:
     return {
+        "version": records.MANIFEST_VERSION,
         "id": hashlib.sha256((raw / rel).read_bytes()).hexdigest(),
         "path": rel,
         "width": 32,
@@ -184,6 +185,18 @@ def test_bad_template_and_missing_manifest(tmp_path):
             {"manifest": tmp_path / "nope.jsonl"},
             {"captions": tmp_path / "c.jsonl", "summary": tmp_path / "s.json"},
         )
+
+
+def test_a_manifest_an_older_sdpipe_wrote_asks_for_prepare_to_rerun(tmp_path):
+    """Rows of another layout version (here: none, as sdpipe wrote them before rows carried one) stop the caption
+    stage in one line that names the stage to rerun, before it reads a field."""
+    row = add_image(tmp_path / "raw", "a.png", 0)
+    for old in ({k: v for k, v in row.items() if k != "version"}, {**row, "version": records.MANIFEST_VERSION + 1}):
+        with pytest.raises(UserError, match=r"layout version .* rerun the stage with `snakemake --forcerun prepare`"):
+            run_stage(tmp_path, make_cfg(tmp_path, chain=["template"], template="x"), [old])
+    assert run_stage(tmp_path, make_cfg(tmp_path, chain=["template"], template="x"), [row])[
+        1
+    ]  # this version's rows are read
 
 
 def test_chain_order_and_fallthrough(tmp_path, blip_dir):

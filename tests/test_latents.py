@@ -17,7 +17,7 @@ import torch
 import yaml
 from PIL import Image
 
-from sdpipe import config, io
+from sdpipe import config, io, records
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
 from sdpipe.preprocess import Preprocess, cover_and_crop
@@ -55,6 +55,7 @@ def make_inputs(tmp: Path, count: int, sizes=((64, 64), (96, 48))) -> tuple[Path
         bucket = [32, 32] if size[0] == size[1] else [48, 24]
         manifest.append(
             {
+                "version": records.MANIFEST_VERSION,
                 "id": image_id,
                 "path": path,
                 "width": size[0],
@@ -71,6 +72,7 @@ def make_inputs(tmp: Path, count: int, sizes=((64, 64), (96, 48))) -> tuple[Path
         )
         captions.append(
             {
+                "version": records.CAPTIONS_VERSION,
                 "id": image_id,
                 "path": path,
                 "split": "train",

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from sdpipe import config, io
+from sdpipe import config, io, records
 from sdpipe.stages import caption, latents, prepare
 from tests.conftest import REPO, small_config
 
@@ -197,6 +197,7 @@ def test_resume_on_another_world_size_continues_the_sample_count(tmp_path, cache
     summary = io.read_json(tmp_path / "run" / "summary.json")
     assert summary["world_size"] == 1 and summary["optimizer_steps"] == 4
     assert summary["cuda_alloc_retries"] is None  # a CPU run has no CUDA allocator to report on
+    assert set(summary) == set(records.TrainSummary.__annotations__)  # what sdpipe/records.py says it holds
     # Two steps of 2 ranks x 2 before the switch (8 samples), then two steps of up to 1 x 2 from what is left.
     assert summary["samples_seen"] - summary["samples_this_run"] == 8 and 0 < summary["samples_this_run"] <= 4
 

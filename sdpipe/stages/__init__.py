@@ -13,10 +13,22 @@ if TYPE_CHECKING:
 
 
 def read_upstream(path: str | Path, made_by: str) -> list[dict]:
-    """Rows of an earlier stage's JSONL output, or one line saying which target makes it."""
+    """Rows of an earlier stage's JSONL output, or one line saying which target makes it (or remakes it, when its
+    rows are of another layout version than this sdpipe's: sdpipe/records.py)."""
+    from sdpipe.records import ROW_VERSIONS
+
     if not Path(path).is_file():
         raise UserError(f"{path} not found; run `snakemake {made_by}` (or `sdpipe {made_by}`) first")
-    return io.read_jsonl(path)
+    rows = io.read_jsonl(path)
+    want = ROW_VERSIONS.get(made_by)
+    found = {row.get("version") for row in rows}
+    if want is not None and rows and found != {want}:
+        got = ", ".join(sorted(str(v) for v in found))
+        raise UserError(
+            f"{path} holds records of layout version {got}, and this sdpipe reads version {want}: an older sdpipe "
+            f"wrote it; rerun the stage with `snakemake --forcerun {made_by}`"
+        )
+    return rows
 
 
 def image_file(cfg: Config, row: dict) -> str:

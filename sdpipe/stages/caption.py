@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdpipe import hashing, io, parallel
-from sdpipe.records import CaptionRow
+from sdpipe.records import CAPTIONS_VERSION, CaptionRow
 from sdpipe.stages import image_file, read_upstream
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ def _output_row(item: Item) -> CaptionRow:
     row = item.row
     error = None if item.caption else (item.error or NO_CAPTION)
     return {
+        "version": CAPTIONS_VERSION,
         "id": row["id"],
         "path": row["path"],
         "split": row.get("split"),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.prepare.decode import inspect_all
-from sdpipe.records import ManifestRow
+from sdpipe.records import MANIFEST_VERSION, ManifestRow
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -189,6 +189,7 @@ def _row(
         out.warnings.append(warning)
     repeats, folder = kohya_folder(rel)
     return {
+        "version": MANIFEST_VERSION,
         "id": image_id,
         "path": rel,
         "file": str(raw / rel),

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import cast
 
 from sdpipe.errors import UserError
+from sdpipe.records import StepPlanRecord
 
 Bucket = tuple[int, int]
 
@@ -43,8 +44,8 @@ class StepPlan:
         """G = W*B: samples in one full micro-step over all ranks."""
         return self.world_size * self.per_device_batch_size
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> StepPlanRecord:
+        return cast(StepPlanRecord, asdict(self))
 
 
 def bucket_key(bucket: Bucket) -> str:

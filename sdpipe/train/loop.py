@@ -20,6 +20,7 @@ import torch
 from sdpipe import config, io
 from sdpipe.errors import UserError
 from sdpipe.log import progress
+from sdpipe.records import TrainSummary
 from sdpipe.train import accounting, checkpoint, lifeline, objective, trackers
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (
@@ -451,20 +452,14 @@ def write_summary(run: Run, path: Path, seconds: float, samples_this_run: int) -
     (sdpipe.train.telemetry). `seconds` is the training loop's wall time, everything included."""
     if not run.accelerator.is_main_process:
         return
-    p = run.plan
-    summary = {
-        **p.as_dict(),
-        "world_size": p.world_size,
-        "per_device_batch_size": p.per_device_batch_size,
-        "grad_accum_steps": p.grad_accum_steps,
-        "global_batch_size": p.global_batch_size,
+    summary: TrainSummary = {
+        **run.plan.as_dict(),
+        **run.telemetry.rates(),
         "optimizer_steps": run.step,
-        "epochs": p.epochs,
         "epochs_started": run.state.epoch + 1,
         "samples_seen": run.state.samples_seen_total,
         "samples_this_run": samples_this_run,
         "seconds": round(seconds, 3),
-        **run.telemetry.rates(),
         "compile": compile_mode(run.cfg, run.accelerator.device),
         "mode": run.cfg.train.mode,
         "mixed_precision": run.cfg.train.mixed_precision,

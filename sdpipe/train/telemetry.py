@@ -30,6 +30,7 @@ import torch
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.records import TrainRates
 
 log = logging.getLogger("sdpipe.train")
 COLUMNS = [
@@ -231,7 +232,7 @@ class Telemetry:
             self.after_first = (self.samples - samples, time.perf_counter() - self.window_paused - at)
         self.windows.append((self.samples, elapsed))
 
-    def rates(self) -> dict:
+    def rates(self) -> TrainRates:
         """Steady samples/s (all ranks) and the warm-up, compile and first-step seconds, for the summary."""
         steady = self.windows[1:]
         if not steady and self.after_first and self.after_first[0] > 0:
