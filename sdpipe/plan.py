@@ -96,7 +96,7 @@ def _processes(cfg: Config) -> tuple[int, int]:
 
 def _training_images(cfg: Config) -> int | None:
     """Images in data.raw_dir less the held-out share (sidecar captions aside); None without the folder."""
-    from sdpipe.stages.prepare import scan
+    from sdpipe.prepare.files import scan
 
     raw = Path(cfg.data.raw_dir)
     if not raw.is_dir():

@@ -45,7 +45,7 @@ def prompts_from(images: Path, given: list[str], instance_prompt: str | None) ->
     if instance_prompt:
         return [instance_prompt]
     from sdpipe.captioners.free import clean_stem
-    from sdpipe.stages.prepare import scan
+    from sdpipe.prepare.files import scan
 
     files, sidecars = scan(images, [".txt", ".caption"])
     texts = [(images / s).read_text(encoding="utf-8", errors="replace").strip() for s in sidecars[:MAX_PROMPTS]]

@@ -21,6 +21,7 @@ from sdpipe import config, io, records
 from sdpipe.buckets import assign_bucket, make_buckets
 from sdpipe.errors import UserError
 from sdpipe.prepare import decode as prepare_decode
+from sdpipe.prepare import files
 from sdpipe.stages import prepare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -387,7 +388,7 @@ def test_no_train_image_is_an_error(tmp_path):
     raw = tmp_path / "raw"
     for shade in range(256):
         data = solid((shade, shade, 0))
-        if prepare.split_of(hashlib.sha256(data).hexdigest(), 0.5) == "eval":
+        if files.split_of(hashlib.sha256(data).hexdigest(), 0.5) == "eval":
             put(raw, "only.png", data)
             break
     with pytest.raises(UserError, match="eval"):

@@ -10,18 +10,17 @@ Decoding is cached by content (see sdpipe/prepare/decode.py), so adding ten imag
 
 from __future__ import annotations
 
-import codecs
 import logging
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
 from sdpipe.prepare.decode import inspect_all
+from sdpipe.prepare.files import extension_warning, kohya_folder, match_sidecars, read_sidecar, scan, split_of
 from sdpipe.records import MANIFEST_VERSION, ManifestRow
 
 if TYPE_CHECKING:
@@ -38,73 +37,7 @@ OUTPUTS = {
 # The config keys the outputs depend on (stages/declared.py).
 READS = ("data", "prepare", "dreambooth.enabled")
 DECODED_KEYS = ("width", "height", "format", "mode")
-SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
 MAX_LOGGED_WARNINGS = 10
-
-
-# --- scanning and sidecars ---------------------------------------------------------------------------------------
-
-
-def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
-    plain files are skipped, and listed in `skipped` when it is given."""
-    captions = {ext.lower() for ext in caption_extensions}
-    images, sidecars, skipped = [], [], [] if skipped is None else skipped
-    for folder, dirs, files in os.walk(raw):
-        skipped += [Path(folder, d, "").relative_to(raw).as_posix() + "/" for d in dirs if d.startswith(".")]
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in files:
-            path = Path(folder, name)
-            if name.startswith(".") or not path.is_file():  # is_file drops FIFOs, which would block a read
-                skipped.append(path.relative_to(raw).as_posix())
-                continue
-            rel = path.relative_to(raw).as_posix()
-            (sidecars if path.suffix.lower() in captions else images).append(rel)
-    return sorted(images), sorted(sidecars)
-
-
-def match_sidecars(
-    images: list[str], sidecars: list[str], caption_extensions: list[str]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Map image -> its sidecar (same folder and stem; the earlier extension in the config wins).
-
-    "a.png.txt" also captions "a.png". Also returns sidecar -> the preferred sidecar it lost to.
-    """
-    rank = {ext.lower(): i for i, ext in enumerate(caption_extensions)}
-    by_key: dict[tuple[str, str], str] = {}
-    shadowed = {}
-    for rel in sorted(sidecars, key=lambda r: (rank[PurePosixPath(r).suffix.lower()], r)):
-        p = PurePosixPath(rel)
-        key = (str(p.parent), p.stem)
-        if key in by_key:
-            shadowed[rel] = by_key[key]
-        else:
-            by_key[key] = rel
-    found = {}
-    for rel in images:
-        p = PurePosixPath(rel)
-        side = by_key.get((str(p.parent), p.stem)) or by_key.get((str(p.parent), p.name))
-        if side:
-            found[rel] = side
-    return found, shadowed
-
-
-def read_sidecar(path: Path) -> tuple[str | None, str | None]:
-    """(caption or None when empty, None), or (None, reason) when the file cannot be used."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        return None, f"cannot read: {exc.strerror or exc}"
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        text = data[bom:].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        at = bom + exc.start
-        return None, (
-            f"not valid UTF-8 (byte 0x{data[at]:02x} at offset {at}); "
-            "the image is kept and captioned by the next captioner"
-        )
-    return " ".join(text.split()) or None, None
 
 
 # --- validation parameters --------------------------------------------------------------------------------------
@@ -114,33 +47,6 @@ def validation_params(cfg: Config) -> dict:
     """Everything that decides a decode result; part of the cache key."""
     p = cfg.prepare
     return {"min_size": p.min_size, "max_pixels": p.max_pixels, "alpha_background": list(p.alpha_background)}
-
-
-# --- rows --------------------------------------------------------------------------------------------------------
-
-
-def kohya_folder(rel: str) -> tuple[int, str]:
-    """(repeats, folder name): "10_sks dog" -> (10, "sks dog"); any other leaf folder repeats once."""
-    leaf = PurePosixPath(rel).parent.name
-    match = re.fullmatch(r"(\d+)_(.+)", leaf)
-    if match and int(match[1]) > 0:
-        return int(match[1]), match[2]
-    return 1, leaf
-
-
-def split_of(image_id: str, eval_fraction: float) -> str:
-    # From the content id alone: adding, removing or renaming other files never moves an image between splits.
-    return "eval" if int(image_id[:8], 16) / 2**32 < eval_fraction else "train"
-
-
-def extension_warning(rel: str, fmt: str) -> str | None:
-    from PIL import Image
-
-    ext = PurePosixPath(rel).suffix.lower()
-    expected = Image.registered_extensions().get(ext)
-    if expected == SAME_FORMAT.get(fmt, fmt):
-        return None
-    return f"{rel}: the extension is {ext or '(none)'} but the content is {fmt}; accepted as {fmt}"
 
 
 @dataclass
