@@ -59,7 +59,7 @@ def test_a_denoiser_that_predicts_the_target_has_zero_loss(prediction):
 
     def losses(offset):
         return objective.sample_losses(
-            forward(offset), fam.objective, SCHEDULER, latents, draws, {"hidden": None}, t, prediction, torch.no_grad
+            forward(offset), fam, SCHEDULER, latents, draws, {"hidden": None}, t, prediction, torch.no_grad
         )
 
     assert losses(0.0).tolist() == [0.0, 0.0]

@@ -82,7 +82,7 @@ def _sdpipe_run(unet, cfg: Config, data, draws, scheduler, device) -> list[float
     for d in draws:
         autocast = lambda: baseline.autocast(device)
         loss = objective.sample_losses(
-            forward, family.objective, scheduler, data["latents"], d, data, cfg.train, "epsilon", autocast
+            forward, family, scheduler, data["latents"], d, data, cfg.train, "epsilon", autocast
         ).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.train.max_grad_norm)

@@ -298,7 +298,7 @@ def micro_step(
     losses = (
         objective.sample_losses(
             run.forward,
-            run.data.family.objective,
+            run.data.family,
             run.noise_scheduler,
             batch["latents"],
             draws,

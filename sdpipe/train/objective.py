@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sdpipe.models import families
-
 if TYPE_CHECKING:
     from sdpipe.config import TrainConfig
+    from sdpipe.models.families import Family
     from sdpipe.models.objectives import Objective
 
 
@@ -53,7 +52,7 @@ def noisy_input(objective: Objective, scheduler, latents: torch.Tensor, draws: d
 
 def sample_losses(
     forward,
-    objective: Objective,
+    family: Family,
     scheduler,
     latents: torch.Tensor,
     draws: dict,
@@ -64,14 +63,14 @@ def sample_losses(
 ) -> torch.Tensor:
     """The training objective for one batch: per-sample losses [B] of `forward` (the UNet, compiled or not).
 
-    `objective` is the family's (models/objectives.py); `cond` holds the text states ("hidden"; SDXL also "pooled"
-    and "time_ids"); `t` is the train config; `autocast` a context factory (the accelerator's). The benchmark's
-    parity check calls this very function.
+    The family says how its denoiser is called and what it is trained to predict (models/families/); `cond` holds
+    the text states ("hidden"; SDXL also "pooled" and "time_ids"); `t` is the train config; `autocast` a context
+    factory (the accelerator's). The benchmark's parity check calls this very function.
     """
+    objective = family.objective
     noisy = noisy_input(objective, scheduler, latents, draws, t.input_perturbation)
-    added = families.added_conditioning(cond)
     with autocast():
-        pred = forward(noisy, draws["timesteps"], encoder_hidden_states=cond["hidden"], added_cond_kwargs=added).sample
+        pred = family.predict(forward, noisy, draws["timesteps"], cond)
     tgt = objective.target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
     mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
     if t.snr_gamma is None:

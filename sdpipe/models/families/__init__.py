@@ -64,9 +64,11 @@ class Family:
     # from_pretrained arguments that keep rendering plain and comparable across runs: no safety checker (SD), no
     # invisible watermark (SDXL; it alters pixels, and needs an optional package).
     load_args: tuple[tuple[str, object], ...]
-    # The denoiser: its pipeline subfolder and diffusers class, and the objective it is trained on.
+    # The denoiser: its pipeline subfolder and diffusers class, how training calls it on a batch's conditioning
+    # (predict(model, noisy, timesteps, cond) -> the prediction), and the objective it is trained on.
     denoiser: str
     denoiser_class: str
+    predict: Callable[..., torch.Tensor]
     objective: Objective
     # Text conditioning: the tokenizer/encoder pairs in pipeline order (a pipeline may lack some: SDXL's refiner has
     # only the second), the encoder states the denoiser takes (cached per caption), and how they are computed.
@@ -131,6 +133,13 @@ def added_conditioning(cond: dict) -> dict | None:
     """The UNet's added_cond_kwargs for a batch's conditioning: the pooled text state and the size ids where the
     family has them (SDXL), else None."""
     return {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "pooled" in cond else None
+
+
+def unet_predict(model, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict) -> torch.Tensor:
+    """A text-conditioned UNet's prediction: cross-attention to the text states, plus SDXL's added conditioning."""
+    return model(
+        noisy, timesteps, encoder_hidden_states=cond["hidden"], added_cond_kwargs=added_conditioning(cond)
+    ).sample
 
 
 def from_unet_config(unet: dict) -> Family:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdpipe.models.families import Base, Family, TextPart, present
+from sdpipe.models.families import Base, Family, TextPart, present, unet_predict
 from sdpipe.models.objectives import DDPM
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ FAMILY = Family(
     load_args=(("safety_checker", None), ("requires_safety_checker", False)),
     denoiser="unet",
     denoiser_class="UNet2DConditionModel",
+    predict=unet_predict,
     objective=DDPM(),
     text_parts=(TextPart("tokenizer", "text_encoder", "CLIPTokenizer", "CLIPTextModel"),),
     text_fields=("hidden",),

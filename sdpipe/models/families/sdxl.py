@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdpipe.models.families import Base, Family, TextPart, present
+from sdpipe.models.families import Base, Family, TextPart, present, unet_predict
 from sdpipe.models.objectives import DDPM
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ FAMILY = Family(
     load_args=(("add_watermarker", False),),
     denoiser="unet",
     denoiser_class="UNet2DConditionModel",
+    predict=unet_predict,
     objective=DDPM(),
     text_parts=(
         TextPart("tokenizer", "text_encoder", "CLIPTokenizer", "CLIPTextModel"),
