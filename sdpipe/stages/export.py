@@ -13,26 +13,21 @@ they run in fp32. Noise comes from a CPU generator seeded by export.verify.seed:
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
 from sdpipe import io
 from sdpipe.errors import UserError
-from sdpipe.models import loading
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
+    from sdpipe.export.verify import Check
 
 log = logging.getLogger(__name__)
 INPUTS = {"final": "results/train/final"}
 OUTPUTS = {"out": "results/export", "summary": "results/export/summary.json"}
 # The config keys the outputs depend on (stages/declared.py).
 READS = ("export", "model", "train.prediction_type", "prepare.buckets")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_VERIFY_SIDE = 512  # export.verify.resolution: null renders at the training resolution, at most this
 
 
@@ -48,206 +43,6 @@ def trained_source(cfg: Config, final: Path) -> tuple[Path, dict]:
     return (final / "ema" if cfg.export.ema else final), info
 
 
-def verify_device(cfg: Config) -> tuple[str, torch.dtype]:
-    """Where verification renders, in which precision (export.verify.device)."""
-    if cfg.export.verify.device == "auto" and torch.cuda.is_available():
-        return "cuda:0", torch.float16
-    return "cpu", torch.float32
-
-
-def release(*pipes) -> None:
-    """Free a pipeline's GPU memory before the next one loads (SDXL pipelines are 7-14 GB each)."""
-    import gc
-
-    from diffusers.utils import logging as dlog
-
-    level = dlog.get_verbosity()
-    dlog.set_verbosity_error()  # diffusers warns that an fp16 pipeline cannot run on the CPU: it will not
-    for pipe in pipes:
-        if pipe.device.type != "cpu":
-            pipe.to("cpu")
-    dlog.set_verbosity(level)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def trained_pipeline(
-    cfg: Config, source: Path, components: dict, fuse: bool, dtype: torch.dtype = torch.float32, device: str = "cpu"
-):
-    """The base pipeline with the trained components: full ones replace the base's, LoRA ones are loaded as
-    adapters (fused into the weights when `fuse`, the way an exported full model holds them)."""
-    from sdpipe.models.pipeline import load_pipeline
-
-    family = loading.family_of(cfg.model.pretrained, cfg.model.revision)
-    parts = {}
-    for name, mode in components.items():
-        if mode == "full" and name == family.denoiser:
-            parts[name] = family.denoiser_type().from_pretrained(source / name, torch_dtype=dtype)
-        elif mode == "full":
-            parts[name] = _text_class(cfg, name).from_pretrained(source / name, torch_dtype=dtype)
-    # The trained objective goes into the scheduler config, so the exported pipeline samples with it.
-    pipe = load_pipeline(
-        cfg.model.pretrained,
-        cfg.model.revision,
-        cfg.model.variant,
-        device,
-        dtype,
-        prediction_type=cfg.train.prediction_type,
-        **parts,
-    )
-    if "lora" in components.values():
-        pipe.load_lora_weights(str(source))
-        if fuse:
-            pipe.fuse_lora()
-            pipe.unload_lora_weights()
-    return pipe
-
-
-def _text_class(cfg: Config, name: str):
-    import transformers
-
-    _, index = loading.model_index(cfg.model.pretrained, cfg.model.revision)
-    return getattr(transformers, index[name][1])
-
-
-def render(cfg: Config, pipe) -> np.ndarray:
-    """The verification image: one prompt, one seed, CPU generator, as uint8 RGB."""
-    v = cfg.export.verify
-    size = v.resolution or [min(cfg.prepare.buckets.resolution, MAX_VERIFY_SIDE)] * 2
-    image = pipe(
-        v.prompt,
-        height=size[0],
-        width=size[1],
-        num_inference_steps=v.steps,
-        guidance_scale=v.guidance,
-        generator=torch.Generator(device="cpu").manual_seed(v.seed),
-    ).images[0]
-    return np.asarray(image.convert("RGB"))
-
-
-def render_once(cfg: Config, pipe) -> np.ndarray:
-    """render(), then the pipeline's memory is freed."""
-    try:
-        return render(cfg, pipe)
-    finally:
-        release(pipe)
-
-
-def check_reference(image: np.ndarray) -> None:
-    """A reference of one flat colour (a NaN in half precision renders black) would match any other flat image:
-    verification could not tell a broken export from a good one."""
-    if int(image.max()) == int(image.min()):
-        raise UserError(
-            f"the trained model renders a flat image (every pixel {int(image.max())}) for "
-            "export.verify.prompt, so the exports cannot be verified against it; if it renders black on "
-            "a GPU, try export.verify.device: cpu (fp32) to see whether fp16 overflows"
-        )
-
-
-def compare(name: str, image: np.ndarray, reference: np.ndarray, tolerance: float, out: Path, **details) -> dict:
-    """How far a reloaded export's image is from the trained model's own (RGB levels, 0-255)."""
-    from PIL import Image
-
-    diff = np.abs(image.astype(np.int16) - reference.astype(np.int16))
-    path = out / "verify" / f"{name}.png"
-    with io.atomic_path(path) as tmp:
-        Image.fromarray(image).save(tmp, "PNG")
-    mean = float(diff.mean())
-    return {
-        **details,
-        "max_abs_diff": int(diff.max()),
-        "mean_abs_diff": round(mean, 4),
-        "verified": mean <= tolerance,
-        "image": str(path),
-    }
-
-
-def export_diffusers(cfg: Config, pipe, folder: Path, dtype: str) -> Path:
-    if folder.exists():
-        shutil.rmtree(folder)
-    with io.atomic_dir(folder) as tmp:
-        pipe.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
-    release(pipe)
-    return folder
-
-
-def verify_diffusers(cfg: Config, folder: Path, reference: np.ndarray, out: Path) -> dict:
-    from sdpipe.models.pipeline import load_pipeline
-
-    device, dtype = verify_device(cfg)
-    pipe = load_pipeline(str(folder), device=device, dtype=dtype, prediction_type=cfg.train.prediction_type)
-    loader = f"{type(pipe).__name__}.from_pretrained"
-    return compare(
-        "diffusers",
-        render_once(cfg, pipe),
-        reference,
-        cfg.export.verify.tolerance,
-        out,
-        path=str(folder),
-        loader=loader,
-    )
-
-
-def export_single(cfg: Config, folder: Path, reference: np.ndarray, out: Path, info: dict, files) -> dict:
-    from sdpipe.export.metadata import file_metadata
-    from sdpipe.export.single_file import export_single_file, load_single_file
-
-    device, dtype = verify_device(cfg)
-    path = export_single_file(folder, out / files.single_file, cfg.export.dtype, file_metadata(cfg, info, folder))
-    pipe = load_single_file(path, folder, info["family"], dtype).to(device)
-    if cfg.train.prediction_type:
-        pipe.scheduler.register_to_config(prediction_type=cfg.train.prediction_type)
-    pipe.set_progress_bar_config(disable=True)
-    loader = f"{type(pipe).__name__}.from_single_file"
-    return compare(
-        "single_file",
-        render_once(cfg, pipe),
-        reference,
-        cfg.export.verify.tolerance,
-        out,
-        path=str(path),
-        loader=loader,
-    )
-
-
-def export_loras(cfg: Config, source: Path, reference: np.ndarray, out: Path, metadata: dict, files) -> dict:
-    """The LoRA as trained (diffusers/peft, alpha in its metadata) and in kohya format, each with `metadata` for
-    other tools and each loaded into a fresh base pipeline with load_lora_weights, as the card tells users to."""
-    from sdpipe.export.lora import LORA_FILE, export_kohya
-    from sdpipe.export.metadata import add_metadata
-    from sdpipe.models.pipeline import load_pipeline
-
-    weight = out / files.lora_file
-    with io.atomic_path(weight) as tmp:
-        shutil.copy2(source / LORA_FILE, tmp)
-    add_metadata(weight, metadata)
-    kohya = export_kohya(weight, out / files.lora_kohya, cfg.model.pretrained, metadata)
-    device, dtype = verify_device(cfg)
-    results = {}
-    for name, path, kwargs in (("lora", weight, {"weight_name": weight.name}), ("lora_kohya", kohya, {})):
-        pipe = load_pipeline(
-            cfg.model.pretrained,
-            cfg.model.revision,
-            cfg.model.variant,
-            device,
-            dtype,
-            prediction_type=cfg.train.prediction_type,
-        )
-        # the folder and weight_name, the way a renamed diffusers LoRA is loaded
-        pipe.load_lora_weights(str(path.parent if kwargs else path), **kwargs)
-        results[name] = compare(
-            name,
-            render_once(cfg, pipe),
-            reference,
-            cfg.export.verify.tolerance,
-            out,
-            path=str(path),
-            loader="load_lora_weights",
-        )
-    return results
-
-
 def remove_stale(out: Path, files) -> None:
     """Exported weight files of an earlier export.name (or export.single_file) go: the folder is this stage's
     output, and a user copying it must not find an older run's model beside this one."""
@@ -258,34 +53,53 @@ def remove_stale(out: Path, files) -> None:
             path.unlink()
 
 
+def verification(cfg: Config, out: Path) -> Check:
+    """export.verify's render, at the training resolution (at most MAX_VERIFY_SIDE) unless it sets one."""
+    from sdpipe.export.verify import Check, device_for
+
+    v = cfg.export.verify
+    height, width = v.resolution or [min(cfg.prepare.buckets.resolution, MAX_VERIFY_SIDE)] * 2
+    device, dtype = device_for(v.device)
+    return Check(v, (height, width), out, cfg.train.prediction_type, device, dtype)
+
+
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    from sdpipe.export.metadata import base_version
+    from sdpipe.export import verify
+    from sdpipe.export.metadata import base_version, file_metadata
     from sdpipe.export.names import export_files
 
     out, e = Path(outputs["out"]), cfg.export
     source, info = trained_source(cfg, Path(inputs["final"]))
     components = info["components"]
-    files = export_files(e.name, e.single_file, "lora" in components.values())
+    lora = "lora" in components.values()
+    files = export_files(e.name, e.single_file, lora)
     remove_stale(out, files)
-    if "lora" in components.values():
+    if lora:
         from sdpipe.export.lora import check_lora_matches
 
         check_lora_matches(source, cfg.model.pretrained)  # before any rendering
-    device, dtype = verify_device(cfg)
-    log.info("export: verification renders on %s in %s", device, str(dtype).removeprefix("torch."))
-    reference = render_once(cfg, trained_pipeline(cfg, source, components, fuse=False, dtype=dtype, device=device))
-    check_reference(reference)
-    compare("trained", reference, reference, e.verify.tolerance, out)
-    folder = export_diffusers(cfg, trained_pipeline(cfg, source, components, fuse=True), out / files.diffusers, e.dtype)
-    formats = {"diffusers": verify_diffusers(cfg, folder, reference, out)}
+    check = verification(cfg, out)
+    log.info("export: verification renders on %s in %s", check.device, str(check.dtype).removeprefix("torch."))
+
+    def trained(fuse: bool, **where):
+        return verify.trained_pipeline(cfg.model, cfg.train.prediction_type, source, components, fuse, **where)
+
+    reference = verify.render(trained(False, dtype=check.dtype, device=check.device), check)
+    verify.check_reference(reference)
+    verify.compare("trained", reference, reference, check)
+    folder = verify.save_diffusers(trained(True), out / files.diffusers, e.dtype)
+    formats = {"diffusers": verify.diffusers_folder(folder, reference, check)}
     if e.single_file:
-        formats["single_file"] = export_single(cfg, folder, reference, out, info, files)
-    if "lora" in components.values():
+        metadata = file_metadata(cfg, info, folder)
+        formats["single_file"] = verify.single_file(
+            folder, out / files.single_file, e.dtype, metadata, info["family"], reference, check
+        )
+    if lora:
         from sdpipe.export.lora import read_lora
-        from sdpipe.export.metadata import file_metadata
 
         adapter = read_lora(source)[1].get("unet", {})
-        formats.update(export_loras(cfg, source, reference, out, file_metadata(cfg, info, folder, adapter), files))
+        metadata = file_metadata(cfg, info, folder, adapter)
+        formats.update(verify.loras(cfg.model, source, files, metadata, reference, check))
     # family and base version: what the model card says was trained (kohya's names, as in the files' metadata)
     summary = {
         "source": str(source),
@@ -295,11 +109,20 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         "name": e.name,
         "dtype": e.dtype,
         "ema": e.ema,
-        "verify": {**vars(e.verify), "rendered_on": device, "render_dtype": str(dtype).removeprefix("torch.")},
+        "verify": {
+            **vars(e.verify),
+            "rendered_on": check.device,
+            "render_dtype": str(check.dtype).removeprefix("torch."),
+        },
         "reference_image": str(out / "verify" / "trained.png"),
         "formats": formats,
     }
     io.write_json(outputs["summary"], summary)
+    _log_and_check(formats, e.verify.tolerance, outputs["summary"])
+    return summary
+
+
+def _log_and_check(formats: dict, tolerance: float, summary: Path) -> None:
     for name, result in formats.items():
         log.info(
             "export %s: %s (mean |diff| %.3f, max %d RGB levels) %s",
@@ -313,6 +136,5 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     if failed:
         raise UserError(
             f"export verification failed for {', '.join(failed)} (mean difference above "
-            f"export.verify.tolerance = {e.verify.tolerance}); see {outputs['summary']}"
+            f"export.verify.tolerance = {tolerance}); see {summary}"
         )
-    return summary
