@@ -69,7 +69,6 @@ def generate_worker(device: str, jobs: list[dict], report, settings: dict) -> di
         device,
         dtype,
         prediction_type=settings.get("prediction_type"),
-        **_trained_parts(settings, dtype),
     )
     prepare_sampler(pipe, device, settings.get("compile", "eager"))
     batches = _batches(jobs, settings["batch_size"])
@@ -95,16 +94,6 @@ def generate_worker(device: str, jobs: list[dict], report, settings: dict) -> di
             write.result()  # a failed write fails the stage here
     done = time.perf_counter()
     return {"images": len(jobs), "load_s": loaded - start, "warmup_s": warm - loaded, "seconds": done - warm}
-
-
-def _trained_parts(settings: dict, dtype) -> dict:
-    """A trained UNet folder to sample with instead of the base one (evaluation); none for class images."""
-    if not settings.get("unet"):
-        return {}
-    from sdpipe.models import families
-
-    family = families.from_unet_config(io.read_json(Path(settings["unet"]) / "config.json"))
-    return {family.denoiser: family.denoiser_type().from_pretrained(settings["unet"], torch_dtype=dtype)}
 
 
 def _write(job: dict, image) -> None:

@@ -81,9 +81,9 @@ def _text_model(module: str) -> str:
 
 
 def kohya_name(component: str, module: str, family: str) -> str:
-    if component == "unet":
-        return "lora_unet_" + module.replace(".", "_")
-    return families.named(family).kohya_prefix(component) + _text_model(module).replace(".", "_")
+    fam = families.named(family)
+    name = module if component == fam.denoiser else _text_model(module)
+    return fam.kohya_prefix(component) + name.replace(".", "_")
 
 
 def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict[str, torch.Tensor]:

@@ -96,8 +96,9 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         )
     if lora:
         from sdpipe.export.lora import read_lora
+        from sdpipe.models import families
 
-        adapter = read_lora(source)[1].get("unet", {})
+        adapter = read_lora(source)[1].get(families.named(info["family"]).denoiser, {})
         metadata = file_metadata(cfg, info, folder, adapter)
         formats.update(verify.loras(cfg.model, source, files, metadata, reference, check))
     # family and base version: what the model card says was trained (kohya's names, as in the files' metadata)

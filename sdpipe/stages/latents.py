@@ -48,23 +48,21 @@ def describe_model(cfg: Config) -> dict:
     local = str(loading.model_index(m.pretrained, m.revision)[0])  # one-line error if not a diffusers folder
     vae_cfg = AutoencoderKL.load_config(local, subfolder="vae")
     texts = loading.text_component_names(local)
+    family = loading.family_of(local)
+    tokenizers = [part.tokenizer for part in family.text_parts if part.encoder in texts]
     return {
         "pretrained": m.pretrained,
-        "family": loading.pipeline_family(local),
+        "family": family.name,
         "vae_sha256": weights.weights_hash(local, "vae", memo_file=memo),
         # The tokenizer decides the embeddings as much as the encoder does, so both are in the text key.
         "text_sha256": {name: weights.weights_hash(local, name, memo_file=memo) for name in texts}
-        | {tok: weights.weights_hash(local, tok, memo_file=memo, every_file=True) for tok in _tokenizers(texts)},
+        | {tok: weights.weights_hash(local, tok, memo_file=memo, every_file=True) for tok in tokenizers},
         "scaling_factor": vae_cfg.get("scaling_factor", 0.18215),
         "shift_factor": vae_cfg.get("shift_factor"),
         "vae_downsample": 2 ** (len(vae_cfg["block_out_channels"]) - 1),
         "dtype": cfg.latents.dtype,
         "variant": m.variant,  # a variant loads other weight files than the hashes above may single out
     }
-
-
-def _tokenizers(text_components: list[str]) -> list[str]:
-    return [name.replace("text_encoder", "tokenizer") for name in text_components]
 
 
 def _check_buckets(rows: list[dict], factor: int) -> None:

@@ -80,14 +80,15 @@ class Run:
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
-        return {"unet": self.unet, **(dict(zip(self.text.names, self.text.encoders)) if self.text else {})}
+        text = dict(zip(self.text.names, self.text.encoders)) if self.text else {}
+        return {self.data.family.denoiser: self.unet, **text}
 
     def params(self) -> list:
         return [p for m in self.trained().values() for p in trainable(m)]
 
     def modes(self) -> dict:
         t = self.cfg.train
-        return {name: t.mode if name == "unet" else t.text_encoder.mode for name in self.trained()}
+        return {name: t.mode if name == self.data.family.denoiser else t.text_encoder.mode for name in self.trained()}
 
 
 # Settings that may change between a run and its resume: they do not change what is being trained.

@@ -83,7 +83,7 @@ class Family:
     single_file_denoiser: str | None
     single_file_text: tuple[str, ...]
     clip_prefix: str
-    kohya_text_prefix: tuple[tuple[str, str], ...]
+    kohya_prefixes: tuple[tuple[str, str], ...]  # component -> its LoRA keys' prefix in kohya's format
     # The base model version from the UNet config and the prediction type (exports' metadata, the card).
     base: Callable[[dict, str], Base]
     bases: tuple[Base, ...]
@@ -106,7 +106,7 @@ class Family:
         return getattr(diffusers, self.denoiser_class)
 
     def kohya_prefix(self, component: str) -> str:
-        return dict(self.kohya_text_prefix)[component]
+        return dict(self.kohya_prefixes)[component]
 
 
 @functools.cache
