@@ -223,7 +223,7 @@ def test_benchmark_times_each_count_and_computes_efficiency(data, tmp_path):
 
 def test_sampling_batches_are_even_and_sized_by_the_image():
     from sdpipe.generate import _batches
-    from sdpipe.stages.evaluate import batch_size, sampling_compile
+    from sdpipe.evaluate.sampling import batch_size, compile_mode
 
     sizes = [len(b) for b in _batches(list(range(20)), 8)]
     assert sorted(sizes) == [6, 7, 7] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape
@@ -234,8 +234,8 @@ def test_sampling_batches_are_even_and_sized_by_the_image():
         batch_size("auto", True, 1024, 1024),
         batch_size(5, True, 512, 512),
     ) == (8, 16, 4, 5)
-    assert sampling_compile("auto", True, 64) == "eager" and sampling_compile("auto", True, 5000) == "blocks"
-    assert sampling_compile("blocks", False, 5000) == "eager"  # nothing compiles on a CPU
+    assert compile_mode("auto", True, 64) == "eager" and compile_mode("auto", True, 5000) == "blocks"
+    assert compile_mode("blocks", False, 5000) == "eager"  # nothing compiles on a CPU
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from PIL import Image
 from sdpipe import config, io, records
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
+from sdpipe.latents import plan
 from sdpipe.preprocess import Preprocess, cover_and_crop
 from sdpipe.stages import latents
 from tests.conftest import small_config
@@ -306,7 +307,6 @@ def test_buckets_must_fit_the_vae_and_the_unet_downsampling(tmp_path, preset, mu
     from sdpipe import model_facts
     from sdpipe.config import from_dict
     from sdpipe.models import presets
-    from sdpipe.stages import latents
 
     root = tmp_path / preset
     AutoencoderKL.from_config(presets.vae_config(preset)).save_config(root / "vae")
@@ -314,6 +314,6 @@ def test_buckets_must_fit_the_vae_and_the_unet_downsampling(tmp_path, preset, mu
     (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     cfg = from_dict({"model": {"pretrained": str(root)}})
     assert model_facts.bucket_multiple(*model_facts.configs(cfg)) == multiple
-    latents._check_buckets([{"bucket": [multiple * 3, multiple * 2]}], multiple)
+    plan.check_buckets([{"bucket": [multiple * 3, multiple * 2]}], multiple)
     with pytest.raises(UserError, match=f"set prepare.buckets.step to a multiple of {multiple}"):
-        latents._check_buckets([{"bucket": [multiple * 3 + multiple // 2, multiple * 2]}], multiple)
+        plan.check_buckets([{"bucket": [multiple * 3 + multiple // 2, multiple * 2]}], multiple)

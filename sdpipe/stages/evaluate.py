@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sdpipe import io, parallel
 from sdpipe.errors import UserError
+from sdpipe.evaluate import sampling
 from sdpipe.stages import image_file, read_upstream
 
 if TYPE_CHECKING:
@@ -46,10 +47,6 @@ TIMINGS = [
     "inference_warmup_s",
     "scaling",
 ]
-# Sampling compiles the UNet's blocks (sdpipe.models.regions) only when it renders at least this many images per
-# GPU. SD 1.5, 512 px, 20 steps on an H200 (NOTES v12): 4.55 images/s eager, 5.33 compiled after 38 s of warm-up,
-# so the compile is repaid after about 1,200 images.
-COMPILE_FROM_IMAGES = 1200
 
 
 def jobs_for(cfg: Config, folder: Path) -> list[dict]:
@@ -95,30 +92,14 @@ def render(cfg: Config, model: Path, folder: Path) -> tuple[list[dict], dict]:
         "width": width,
         "steps": e.steps,
         "guidance": e.guidance,
-        "batch_size": batch_size(e.batch_size, on_gpu, height, width),
+        "batch_size": sampling.batch_size(e.batch_size, on_gpu, height, width),
         "half_on_gpu": True,
         "prediction_type": cfg.train.prediction_type,
-        "compile": sampling_compile(e.compile, on_gpu, len(jobs) / len(devices)),
+        "compile": sampling.compile_mode(e.compile, on_gpu, len(jobs) / len(devices)),
     }
     from sdpipe.generate import generate
 
     return jobs, generate(jobs, devices, "evaluation images", settings)
-
-
-def batch_size(wanted: int | str, on_gpu: bool, height: int, width: int) -> int:
-    """evaluate.batch_size, or auto: 8 on a CPU; on a GPU 16 up to 512x512 px and fewer as images grow (the UNet's
-    activations grow with the pixels; the VAE decodes one image at a time)."""
-    if wanted != "auto":
-        return int(wanted)
-    if not on_gpu:
-        return 8
-    return max(1, min(16, 16 * 512 * 512 // (height * width)))
-
-
-def sampling_compile(mode: str, on_gpu: bool, images_per_device: float) -> str:
-    if mode == "auto":
-        return "blocks" if on_gpu and images_per_device >= COMPILE_FROM_IMAGES else "eager"
-    return mode if on_gpu else "eager"
 
 
 def eval_devices(cfg: Config) -> list[str]:

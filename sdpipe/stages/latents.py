@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sdpipe import hashing, io, latent_index, model_facts, parallel
+from sdpipe import io, latent_index, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
-from sdpipe.preprocess import Preprocess, crop_box
+from sdpipe.latents.plan import check_buckets, plan, text_key
 from sdpipe.records import LatentIndex
 from sdpipe.stages import image_file, read_upstream
 
@@ -33,7 +33,6 @@ READS = (
     "prepare.alpha_background",
     "prepare.max_pixels",
 )
-CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
 
 
 def describe_model(cfg: Config) -> dict:
@@ -65,81 +64,15 @@ def describe_model(cfg: Config) -> dict:
     }
 
 
-def _check_buckets(rows: list[dict], factor: int) -> None:
-    bad = sorted({tuple(r["bucket"]) for r in rows if r["bucket"][0] % factor or r["bucket"][1] % factor})
-    if bad:
-        raise UserError(
-            f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by {factor}, the model's downsampling (VAE "
-            f"times UNet); set prepare.buckets.step to a multiple of {factor} (and the resolution too)"
-        )
-
-
-def _text_key(caption: str, model: dict, dtype: str) -> str:
-    return hashing.key_of(
-        "text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"]
-    )
-
-
-def plan(cfg: Config, rows: list[dict], captions: dict[str, dict], model: dict):
-    """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in."""
-    lat = cfg.latents
-    items, images, texts, failed = [], {}, {}, []
-    # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
-    texts[_text_key("", model, lat.dtype)] = {"kind": "text", "key": _text_key("", model, lat.dtype), "caption": ""}
-    for row in rows:
-        caption = captions.get(row["id"], {}).get("caption")
-        if not caption:
-            failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
-            continue
-        text_key = _text_key(caption, model, lat.dtype)
-        texts[text_key] = {"kind": "text", "key": text_key, "caption": caption}
-        item = {
-            "id": row["id"],
-            "path": row["path"],
-            "role": row.get("role", "instance"),
-            "bucket": row["bucket"],
-            "repeats": row["repeats"],
-            "caption": caption,
-            "text_key": text_key,
-            "flip_key": None,
-            "original_size": [row["height"], row["width"]],
-        }  # SDXL's size conditioning is (h, w)
-        for flip in [False, True] if lat.flip else [False]:
-            p = Preprocess(
-                bucket=tuple(row["bucket"]),
-                resize=lat.resize,
-                crop=lat.crop,
-                interpolation=lat.interpolation,
-                flip=flip,
-                background=tuple(cfg.prepare.alpha_background),
-            )
-            key = hashing.key_of(
-                "latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"], model["variant"], lat.dtype
-            )
-            item["flip_key" if flip else "latent_key"] = key
-            if not flip:
-                (resized_w, _), top, left = crop_box(row["width"], row["height"], p, row["id"])
-                item["crop_top_left"] = [top, left]
-                # A flipped latent was cut at the mirrored position: SDXL conditions on that corner.
-                item["flip_crop_top_left"] = [top, resized_w - left - row["bucket"][0]]
-            images[key] = {
-                "kind": "image",
-                "key": key,
-                "id": row["id"],
-                "path": row["path"],
-                "file": image_file(cfg, row),
-                "pre": p.as_key(),
-            }
-        items.append(item)
-    return items, list(images.values()), list(texts.values()), failed
-
-
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
-    _check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
-    items, image_jobs, text_jobs, failed = plan(cfg, rows, captions, model)
+    check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
+    file_of = lambda row: image_file(cfg, row)
+    items, image_jobs, text_jobs, failed = plan(
+        cfg.latents, tuple(cfg.prepare.alpha_background), rows, captions, model, file_of
+    )
 
     root = Path(cfg.cache_dir)
     stores = {"image": ShardStore(root / "latents"), "text": ShardStore(root / "text")}
@@ -211,7 +144,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
         "version": latent_index.VERSION,
         "model": model,
         "latent_store": str(Path(cfg.cache_dir) / "latents"),
-        "empty_text_key": _text_key("", model, cfg.latents.dtype),
+        "empty_text_key": text_key("", model, cfg.latents.dtype),
         "text_store": str(Path(cfg.cache_dir) / "text"),
         "items": kept,
         "failed": failed,

@@ -1,0 +1,95 @@
+"""The latent cache's plan: every image's and caption's cache key, from their content and everything that decides
+what encoding them gives (the preprocessing, the VAE's and text encoders' weights, the dtype). The stage
+(stages/latents.py) encodes what the caches lack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from sdpipe import hashing
+from sdpipe.errors import UserError
+from sdpipe.preprocess import Preprocess, crop_box
+
+if TYPE_CHECKING:
+    from sdpipe.config import LatentsConfig
+
+CACHE_VERSION = 1  # bump when encoding changes its output for the same inputs, so old entries are not reused
+
+
+def check_buckets(rows: list[dict], factor: int) -> None:
+    bad = sorted({tuple(r["bucket"]) for r in rows if r["bucket"][0] % factor or r["bucket"][1] % factor})
+    if bad:
+        raise UserError(
+            f"bucket {bad[0][0]}x{bad[0][1]} is not divisible by {factor}, the model's downsampling (VAE "
+            f"times UNet); set prepare.buckets.step to a multiple of {factor} (and the resolution too)"
+        )
+
+
+def text_key(caption: str, model: dict, dtype: str) -> str:
+    return hashing.key_of(
+        "text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"]
+    )
+
+
+def plan(
+    lat: LatentsConfig,
+    background: tuple[int, ...],
+    rows: list[dict],
+    captions: dict[str, dict],
+    model: dict,
+    file_of: Callable[[dict], str],
+):
+    """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in.
+
+    `lat` is the latents section, `background` prepare.alpha_background, `model` what describe_model found, and
+    `file_of` where a manifest row's image is."""
+    items, images, texts, failed = [], {}, {}, []
+    # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
+    texts[text_key("", model, lat.dtype)] = {"kind": "text", "key": text_key("", model, lat.dtype), "caption": ""}
+    for row in rows:
+        caption = captions.get(row["id"], {}).get("caption")
+        if not caption:
+            failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
+            continue
+        caption_key = text_key(caption, model, lat.dtype)
+        texts[caption_key] = {"kind": "text", "key": caption_key, "caption": caption}
+        item = {
+            "id": row["id"],
+            "path": row["path"],
+            "role": row.get("role", "instance"),
+            "bucket": row["bucket"],
+            "repeats": row["repeats"],
+            "caption": caption,
+            "text_key": caption_key,
+            "flip_key": None,
+            "original_size": [row["height"], row["width"]],
+        }  # SDXL's size conditioning is (h, w)
+        for flip in [False, True] if lat.flip else [False]:
+            p = Preprocess(
+                bucket=tuple(row["bucket"]),
+                resize=lat.resize,
+                crop=lat.crop,
+                interpolation=lat.interpolation,
+                flip=flip,
+                background=background,
+            )
+            key = hashing.key_of(
+                "latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"], model["variant"], lat.dtype
+            )
+            item["flip_key" if flip else "latent_key"] = key
+            if not flip:
+                (resized_w, _), top, left = crop_box(row["width"], row["height"], p, row["id"])
+                item["crop_top_left"] = [top, left]
+                # A flipped latent was cut at the mirrored position: SDXL conditions on that corner.
+                item["flip_crop_top_left"] = [top, resized_w - left - row["bucket"][0]]
+            images[key] = {
+                "kind": "image",
+                "key": key,
+                "id": row["id"],
+                "path": row["path"],
+                "file": file_of(row),
+                "pre": p.as_key(),
+            }
+        items.append(item)
+    return items, list(images.values()), list(texts.values()), failed
