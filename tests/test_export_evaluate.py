@@ -222,8 +222,8 @@ def test_benchmark_times_each_count_and_computes_efficiency(data, tmp_path):
 
 
 def test_sampling_batches_are_even_and_sized_by_the_image():
-    from sdpipe.generate import _batches
     from sdpipe.evaluate.sampling import batch_size, compile_mode
+    from sdpipe.generate import _batches
 
     sizes = [len(b) for b in _batches(list(range(20)), 8)]
     assert sorted(sizes) == [6, 7, 7] and sum(sizes) == 20  # not 8, 8, 4: no small tail shape

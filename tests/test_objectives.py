@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from sdpipe.models import families
+from sdpipe.models import families, objectives
 from sdpipe.models.objectives import DDPM
 from sdpipe.train import objective
 
@@ -33,8 +33,9 @@ def test_ddpm_noises_and_targets_as_the_paper_writes(t, alpha_bar):
 def test_min_snr_weights_epsilon_and_v_prediction():
     steps = torch.tensor([0, 1])  # SNR = ab / (1 - ab): 9 and 0.45 / 0.55
     snr = torch.tensor([9.0, 0.45 / 0.55])
-    eps = DDPM().snr_weight(SCHEDULER, steps, "epsilon", 5.0)
-    v = DDPM().snr_weight(SCHEDULER, steps, "v_prediction", 5.0)
+    eps = DDPM().weight(SCHEDULER, steps, "epsilon", 5.0)
+    v = DDPM().weight(SCHEDULER, steps, "v_prediction", 5.0)
+    assert DDPM().weight(SCHEDULER, steps, "epsilon", None) is None  # train.snr_gamma unset: equal weights
     assert eps.tolist() == pytest.approx([5 / 9, 1.0])  # min(SNR, 5) / SNR
     assert v.tolist() == pytest.approx((torch.minimum(snr, torch.tensor(5.0)) / (snr + 1)).tolist())
 
@@ -64,3 +65,52 @@ def test_a_denoiser_that_predicts_the_target_has_zero_loss(prediction):
 
     assert losses(0.0).tolist() == [0.0, 0.0]
     assert losses(1.0).tolist() == pytest.approx([1.0, 1.0])
+
+
+# --- rectified flow (SD 3, Flux), each formula on a case worked by hand ---------------------------------------------
+
+FLOW = SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000))
+
+
+def test_timestep_densities_and_shifts():
+    assert objectives.mode_sample(torch.tensor([0.5]), 1.29).item() == pytest.approx(0.5)  # cos^2(pi/4) = 1/2
+    # u = 0.25: cos^2(pi/8) = 0.853553, so 1 - 0.25 - 1.29 * (0.853553 - 1 + 0.25) = 0.616416
+    assert objectives.mode_sample(torch.tensor([0.25]), 1.29).item() == pytest.approx(0.616416, abs=1e-6)
+    assert objectives.shift_sigma(torch.tensor([0.5]), 3.0).item() == pytest.approx(0.75)  # 1.5 / 2
+    assert objectives.shift_sigma(torch.tensor([0.2]), 3.0).item() == pytest.approx(0.6 / 1.4)
+    # Flux: 0.5 at 256 tokens, 1.15 at 4096; a 512 px image (32 x 32 tokens) gets 0.5 + 0.65 * 768 / 3840 = 0.63
+    assert [objectives.flux_mu(n) for n in (256, 4096, 1024)] == pytest.approx([0.5, 1.15, 0.63])
+    assert objectives.time_shift(math.log(3.0), torch.tensor([0.5])).item() == pytest.approx(0.75)  # = shift 3
+
+
+def test_logit_normal_and_uniform_draws_come_from_the_samples_generator():
+    """The same generator state gives the same u, whatever else draws: sigmoid(mean + std * n) for n ~ N(0, 1)."""
+    n = torch.randn((1,), generator=torch.Generator().manual_seed(7)).item()
+    g = torch.Generator().manual_seed(7)
+    u = objectives.density_sample("logit_normal", g, 0.5, 2.0, 1.29).item()
+    assert u == pytest.approx(1 / (1 + math.exp(-(0.5 + 2.0 * n))))
+    flat = objectives.FlowMatching(sampling="uniform", shift=3.0)
+    r = torch.rand((1,), generator=torch.Generator().manual_seed(3)).item()
+    t = flat.timestep(torch.Generator().manual_seed(3), FLOW).item()
+    assert t == pytest.approx(1000 * 3 * r / (1 + 2 * r), rel=1e-5)  # the shifted position, in scheduler units
+
+
+def test_flow_weights():
+    sigma = torch.tensor([0.5, 0.25])
+    assert objectives.flow_weight("sigma_sqrt", sigma).tolist() == pytest.approx([4.0, 16.0])  # 1 / sigma^2
+    # cosmap at 0.5: 2 / (pi (1 - 1 + 0.5)) = 4 / pi
+    assert objectives.flow_weight("cosmap", sigma)[0].item() == pytest.approx(4 / math.pi)
+    assert objectives.flow_weight("none", sigma) is None
+
+
+def test_flow_matching_path_target_and_preconditioning():
+    """t = 250 of 1000 is sigma 0.25: x_t = 0.75 x + 0.25 e; the velocity target is e - x; preconditioned, the
+    output x_t - sigma * pred of a perfect velocity prediction is x itself, and the target is x."""
+    steps = torch.tensor([250.0])
+    flow, pre = objectives.FlowMatching(), objectives.FlowMatching(precondition=True)
+    noisy = flow.noisy(FLOW, X, EPS, steps)
+    assert noisy.item() == pytest.approx(0.75 * 1.0 + 0.25 * 2.0)
+    velocity = flow.target(FLOW, X, EPS, steps, "flow")
+    assert velocity.item() == 1.0 and flow.output(velocity, noisy, FLOW, steps) is velocity
+    assert pre.output(velocity, noisy, FLOW, steps).item() == pytest.approx(1.0)  # 1.25 - 0.25 * 1 = x
+    assert pre.target(FLOW, X, EPS, steps, "flow").item() == 1.0

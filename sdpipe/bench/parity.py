@@ -45,15 +45,16 @@ def _config(pretrained: str, lr: float):
 
 
 def _draws(preset: str, resolution: int, batch: int, steps: int, cfg: Config, device) -> list[dict]:
-    from sdpipe.models import presets
+    from sdpipe.models import families, presets
     from sdpipe.train import objective
 
     shape = baseline.shapes(preset, resolution)["latent"]
-    num = presets.scheduler(preset).config.num_train_timesteps
+    scheduler, family = presets.scheduler(preset), families.named(presets.family(preset))
     out = []
     for s in range(steps):
         gens = [objective.sample_generator(cfg.seed, s, i) for i in range(batch)]
-        out.append({k: v.to(device) for k, v in objective.draw(shape, gens, num, cfg.train).items()})
+        timestep = lambda g: family.objective.timestep(g, scheduler)
+        out.append({k: v.to(device) for k, v in objective.draw(shape, gens, timestep, cfg.train).items()})
     return out
 
 

@@ -339,7 +339,8 @@ def host_batch(run: Run, indices: list[int], epoch: int) -> tuple[dict, dict]:
     gens = [objective.sample_generator(run.cfg.seed, epoch, i) for i in indices]
     flips = [bool(torch.rand((1,), generator=g) < 0.5) for g in gens]
     shape = run.data.latent_shape(indices[0])
-    draws = objective.draw(shape, gens, run.noise_scheduler.config.num_train_timesteps, run.cfg.train)
+    timestep = lambda g: run.data.family.objective.timestep(g, run.noise_scheduler)
+    draws = objective.draw(shape, gens, timestep, run.cfg.train)
     batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
     if run.accelerator.device.type == "cuda":
         batch, draws = ({k: v.pin_memory() for k, v in part.items()} for part in (batch, draws))

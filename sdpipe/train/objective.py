@@ -9,7 +9,7 @@ its resume sees exactly what an uninterrupted run would.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -25,9 +25,13 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 def draw(
-    shape: tuple[int, int, int], gens: list[torch.Generator], num_timesteps: int, cfg: TrainConfig
+    shape: tuple[int, int, int],
+    gens: list[torch.Generator],
+    timestep: Callable[[torch.Generator], torch.Tensor],
+    cfg: TrainConfig,
 ) -> dict[str, torch.Tensor]:
-    """Noise [B,C,H,W], timesteps [B] and a caption-dropout mask [B], one generator per sample (on the CPU)."""
+    """Noise [B,C,H,W], timesteps [B] and a caption-dropout mask [B], one generator per sample (on the CPU).
+    `timestep` draws one sample's timestep from its generator (the family's objective)."""
     c, h, w = shape
     noise, steps, drop = [], [], []
     for g in gens:
@@ -35,7 +39,7 @@ def draw(
         if cfg.noise_offset:  # per-channel offset: lets the model learn very dark and very bright images
             n = n + cfg.noise_offset * torch.randn((c, 1, 1), generator=g)
         noise.append(n)
-        steps.append(torch.randint(0, num_timesteps, (1,), generator=g))
+        steps.append(timestep(g))
         drop.append(torch.rand((1,), generator=g) < cfg.caption_dropout)
     out = {"noise": torch.stack(noise), "timesteps": torch.cat(steps), "drop_caption": torch.cat(drop)}
     if cfg.input_perturbation:
@@ -69,10 +73,10 @@ def sample_losses(
     """
     objective = family.objective
     noisy = noisy_input(objective, scheduler, latents, draws, t.input_perturbation)
+    steps = draws["timesteps"]
     with autocast():
-        pred = family.predict(forward, noisy, draws["timesteps"], cond)
-    tgt = objective.target(scheduler, latents, draws["noise"], draws["timesteps"], prediction_type)
+        pred = objective.output(family.predict(forward, noisy, steps, cond), noisy, scheduler, steps)
+    tgt = objective.target(scheduler, latents, draws["noise"], steps, prediction_type)
     mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
-    if t.snr_gamma is None:
-        return mse
-    return mse * objective.snr_weight(scheduler, draws["timesteps"], prediction_type, t.snr_gamma)
+    weight = objective.weight(scheduler, steps, prediction_type, t.snr_gamma)
+    return mse if weight is None else mse * weight
