@@ -79,7 +79,7 @@ class Family:
     size_conditioning: bool
     # Exports: the original single-file layout of the denoiser ("ldm_unet": export/single_file.py's map; None: no
     # single-file export) and of each text encoder ("clip" is OpenAI CLIP's transformer under `clip_prefix`,
-    # "open_clip" OpenCLIP's), and kohya's LoRA prefix per text component.
+    # "open_clip" OpenCLIP's), and kohya's LoRA key prefix per component.
     single_file_denoiser: str | None
     single_file_text: tuple[str, ...]
     clip_prefix: str
