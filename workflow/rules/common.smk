@@ -1,4 +1,5 @@
 # Config validation and small helpers only; stage logic lives in the sdpipe package.
+import functools
 import sys
 from pathlib import Path
 
@@ -98,11 +99,18 @@ RAW_DIR = CFG["data"]["raw_dir"]
 
 def raw_files(wildcards):
     """Every file under the raw folder, so adding or changing one image reruns prepare."""
+    return list(_raw_listing())
+
+
+@functools.cache
+def _raw_listing():
+    """The raw folder's files, listed once per Snakemake run: the rules that read images and each of their jobs
+    ask for them (input and params), and a large folder takes seconds to walk."""
     root = Path(RAW_DIR)
     if not root.is_dir():
-        return []
+        return ()
     files = (p for p in root.rglob("*") if p.is_file())
-    return sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts))
+    return tuple(sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)))
 
 
 # With model.train_vae, every stage after it uses the base pipeline with the trained VAE (rule train_vae).
