@@ -20,14 +20,15 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
     && python3 -m venv /opt/venv
 
 WORKDIR /opt/sdpipe
-COPY requirements/constraints.txt requirements/constraints.txt
+COPY requirements/constraints.txt requirements/no-deps.txt requirements/
 RUN pip install --upgrade pip \
     && pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY sdpipe sdpipe
 # A plain (non-editable) install, then the source goes: the workflow runs from the installed package, which ships
 # what it reads at run time (tests/test_install.py takes the same steps).
-RUN pip install -c requirements/constraints.txt ".[workflow]" && rm -rf sdpipe build
+RUN pip install -c requirements/constraints.txt ".[workflow]" && pip install --no-deps -r requirements/no-deps.txt \
+    && rm -rf sdpipe build
 COPY Snakefile dvc.yaml ./
 COPY workflow workflow
 COPY config config

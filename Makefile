@@ -9,10 +9,11 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: setup demo test lint clean-results constraints services
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/constraints.txt
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt requirements/no-deps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]' -c requirements/constraints.txt
+	$(BIN)/pip install -q --no-deps -r requirements/no-deps.txt
 	touch $@
 
 # Pin today's versions of everything but torch/torchvision/CUDA wheels (CI and the Docker image install with them).

