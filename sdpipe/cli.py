@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from sdpipe.errors import UserError, disk_full
+from sdpipe.models.presets import PRESETS
 
 STAGES = {
     "prepare": "sdpipe.stages.prepare",
@@ -167,7 +168,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_demo)
 
     p = sub.add_parser("build-model", help="build a randomly initialised model preset and save it in diffusers format")
-    p.add_argument("--preset", required=True, choices=["tiny", "sd15", "sdxl"])
+    p.add_argument("--preset", required=True, choices=PRESETS)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_cmd_build_model)

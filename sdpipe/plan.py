@@ -27,17 +27,26 @@ BYTES_PER_PARAM = {"full": 16, "lora": 4}
 
 
 def lines(cfg: Config) -> list[str]:
-    unet = _unet_config(cfg)
-    return [_model(cfg, unet), _training(cfg), _images(cfg), _schedule(cfg), _memory(cfg, unet), _outputs(cfg)]
+    denoiser = _denoiser_config(cfg)
+    name = families.from_denoiser_config(denoiser).denoiser.replace("unet", "UNet") if denoiser else "denoiser"
+    return [
+        _model(cfg, denoiser),
+        _training(cfg, name),
+        _images(cfg),
+        _schedule(cfg),
+        _memory(cfg, denoiser),
+        _outputs(cfg),
+    ]
 
 
-def _unet_config(cfg: Config) -> dict | None:
-    """The UNet's config: the preset's when one is built, else the model's own files (None if not found)."""
+def _denoiser_config(cfg: Config) -> dict | None:
+    """The denoiser's config (UNet or transformer): the preset's when one is built, else the model's own files
+    (None if not found)."""
     found = model_facts.configs(cfg)
     return found[0] if found else None
 
 
-def _model(cfg: Config, unet: dict | None) -> str:
+def _model(cfg: Config, denoiser: dict | None) -> str:
     m = cfg.model
     if m.build_preset:
         return (
@@ -58,16 +67,16 @@ def _model(cfg: Config, unet: dict | None) -> str:
     except UserError as exc:
         return f"model: NOT FOUND: {exc}"
     kind = "local folder" if weights.is_local(m.pretrained) else f"hub id in the cache ({where})"
-    name = families.named(model_facts.family(unet)).title if unet else "unknown family (no unet/config.json)"
+    name = families.named(model_facts.family(denoiser)).title if denoiser else "unknown family (no denoiser config)"
     return f"model: {name} from {m.pretrained}, {kind}" + (f", variant {m.variant}" if m.variant else "")
 
 
-def _training(cfg: Config) -> str:
+def _training(cfg: Config, denoiser: str) -> str:
     t = cfg.train
     what = (
-        f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the UNet"
+        f"LoRA rank {t.lora.rank}, alpha {t.lora.alpha} on the {denoiser}"
         if t.mode == "lora"
-        else "full fine-tune of the UNet"
+        else f"full fine-tune of the {denoiser}"
     )
     extra = [f"text encoder: {t.text_encoder.mode}"]
     if cfg.model.train_vae.enabled:
@@ -132,16 +141,17 @@ def memory_gb(
     return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
 
 
-def _memory(cfg: Config, unet: dict | None) -> str:
-    if unet is None:
-        return "memory per GPU: unknown (the UNet's config is not found)"
+def _memory(cfg: Config, denoiser: dict | None) -> str:
+    if denoiser is None:
+        return "memory per GPU: unknown (the denoiser's config is not found)"
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        params = sum(p.numel() for p in families.from_unet_config(unet).denoiser_type().from_config(unet).parameters())
+        family = families.from_denoiser_config(denoiser)
+        params = sum(p.numel() for p in family.denoiser_type().from_config(denoiser).parameters())
     t = cfg.train
     state, acts = memory_gb(
-        model_facts.family(unet),
+        family.name,
         params,
         t.mode,
         t.per_device_batch_size,
@@ -149,8 +159,9 @@ def _memory(cfg: Config, unet: dict | None) -> str:
         t.gradient_checkpointing,
     )
     return (
-        f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M UNet parameters: {state:.1f} GB of "
-        f"weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from measured peaks)"
+        f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M {family.denoiser} parameters: "
+        f"{state:.1f} GB of weights and optimizer state, {acts:.1f} GB of activations; a rule of thumb from "
+        "measured peaks)"
     )
 
 

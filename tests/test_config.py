@@ -40,7 +40,7 @@ def test_empty_config_takes_schema_defaults():
         ({"prepare": {"eval_fraction": 0.9}}, "expected a value from 0 to 0.5"),
         ({"caption": {"chain": ["sidecar", "blipp"]}}, "caption.chain[1] = 'blipp'"),
         ({"prepare": {"min_size": "big"}}, "prepare.min_size = 'big' is not allowed; expected a value of type integer"),
-        ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl']"),
+        ({"model": {"build_preset": "xl"}}, "expected null or one of ['tiny', 'sd15', 'sdxl', 'tiny-sd3'"),
         ({"seed": -1}, "seed = -1 is not allowed; expected a value >= 0"),
         (
             {"export": {"name": "my dog"}},

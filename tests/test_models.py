@@ -4,6 +4,7 @@ from_pretrained path a real checkpoint takes. No network."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,8 @@ def test_tokenizer_pad_bang_matches_open_clip_exactly() -> None:
 
 
 def test_family_and_unknown_preset() -> None:
-    assert [presets.family(p) for p in presets.PRESETS] == ["sd", "sd", "sdxl"]
-    with pytest.raises(UserError, match="tiny, sd15, sdxl"):
+    assert [presets.family(p) for p in presets.PRESETS] == ["sd", "sd", "sdxl", "sd3", "sd3", "flux", "flux"]
+    with pytest.raises(UserError, match="tiny, sd15, sdxl, tiny-sd3"):
         presets.family("sd3")
     with pytest.raises(UserError, match="unknown model preset"):
         presets.build_and_save("sd3", Path("/nonexistent/never-written"))
@@ -250,46 +251,49 @@ def test_auto_compiles_only_runs_long_enough_to_repay_it(device, samples, decide
     assert resolve_compile(explicit, torch.device(device), samples).train.compile == "blocks"
 
 
+SD3_INDEX = {
+    "_class_name": "StableDiffusion3Pipeline",
+    "transformer": ["diffusers", "SD3Transformer2DModel"],
+    "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+    "text_encoder_3": ["transformers", "T5EncoderModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+FLUX_INDEX = {
+    "_class_name": "FluxPipeline",
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
+@pytest.mark.parametrize("index, family", [(SD3_INDEX, "sd3"), (FLUX_INDEX, "flux")])
+def test_sd3_and_flux_folders_are_not_taken_for_sdxl(tmp_path, index, family):
+    """Issue 27: a minimal model_index.json of SD3 or Flux was detected as sdxl (it has a text_encoder_2); issue 28
+    trains both, so each is known as its own family."""
+    from sdpipe.models import loading
+
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert loading.pipeline_family(str(tmp_path)) == family
+
+
 @pytest.mark.parametrize(
     "index, named",
     [
+        ({"_class_name": "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"]}, "PixArt"),
         (
-            {
-                "_class_name": "StableDiffusion3Pipeline",
-                "transformer": ["diffusers", "SD3Transformer2DModel"],
-                "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-                "text_encoder_3": ["transformers", "T5EncoderModel"],
-                "vae": ["diffusers", "AutoencoderKL"],
-            },
-            "Stable Diffusion 3 / 3.5",
-        ),
-        (
-            {
-                "_class_name": "FluxPipeline",
-                "transformer": ["diffusers", "FluxTransformer2DModel"],
-                "text_encoder": ["transformers", "CLIPTextModel"],
-                "text_encoder_2": ["transformers", "T5EncoderModel"],
-                "vae": ["diffusers", "AutoencoderKL"],
-            },
-            "Flux",
-        ),
-        (
-            {
-                "_class_name": "SomeDiTPipeline",
-                "transformer": ["diffusers", "X"],
-                "text_encoder_2": ["transformers", "Y"],
-            },
+            {"_class_name": "SomeDiTPipeline", "transformer": ["diffusers", "X"], "text_encoder_2": ["t", "Y"]},
             "SomeDiTPipeline pipeline without a UNet",
         ),
     ],
 )
-def test_sd3_and_flux_folders_are_refused_not_taken_for_sdxl(tmp_path, index, named):
-    """Issue 27: a minimal model_index.json of SD3 or Flux was detected as sdxl (it has a text_encoder_2)."""
+def test_untrained_families_are_refused_by_name(tmp_path, index, named):
     from sdpipe.models import loading
 
     (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UserError, match=f"is a {named} model; sdpipe trains SD 1.x/2.x and SDXL pipelines"):
+    trained = "sdpipe trains Flux.1 and SD 1.x/2.x and SD 3 / 3.5 and SDXL pipelines"
+    with pytest.raises(UserError, match=re.escape(f"is a {named} model; {trained}")):
         loading.pipeline_family(str(tmp_path))
 
 
@@ -314,7 +318,7 @@ def test_a_family_caches_what_its_embedding_returns_and_is_known_by_its_unet(pre
     from sdpipe.models import families, presets
 
     folder = tiny if preset == "tiny" else tiny_xl
-    family = families.from_unet_config(presets.unet_config(preset))
+    family = families.from_denoiser_config(presets.unet_config(preset))
     assert family.name == presets.family(preset) == loading.pipeline_family(folder)
     assert tuple(loading.load_text_stack(folder).encode(CAPTIONS)) == family.text_fields
     assert [families.named(family.name).kohya_prefix(c) for c in family.text_encoders] == (

@@ -56,7 +56,7 @@ FAMILY = dataclasses.replace(
     title="Toy Diffusion",
     priority=20,
     detects=lambda index: index.get("_class_name") == "ToyDiffusionPipeline",
-    unet_matches=lambda unet: False,  # its UNet is SD's: check-config's estimates are SD's
+    config_matches=lambda unet: False,  # its UNet is SD's: check-config's estimates are SD's
     single_file_keys=("toy.",),  # an original-layout file is read as SD's
     pipeline_class=f"{__name__}:ToyDiffusionPipeline",
     embed=embed,

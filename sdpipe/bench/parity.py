@@ -79,7 +79,7 @@ def _sdpipe_run(unet, cfg: Config, data, draws, scheduler, device) -> list[float
     prepare_for_gpu_compile(cfg, unet, device)  # what build_unet does for the train stage
     forward = training_forward(cfg, unet, device)
     opt = build_optimizer(cfg, unet, [])
-    losses, family = [], families.from_unet_config(dict(unet.config))
+    losses, family = [], families.from_denoiser_config(dict(unet.config))
     for d in draws:
         autocast = lambda: baseline.autocast(device)
         loss = objective.sample_losses(

@@ -86,20 +86,103 @@ def kohya_name(component: str, module: str, family: str) -> str:
     return fam.kohya_prefix(component) + name.replace(".", "_")
 
 
-def kohya_state_dict(state: dict, configs: dict[str, dict], family: str) -> dict[str, torch.Tensor]:
-    modules = lora_modules(state)
+def _kohya_layer(family: families.Family, component: str, module: str) -> tuple[str, tuple[str, ...]]:
+    if component != family.denoiser:
+        return module, (module,)
+    found = family.kohya_layer(module)
+    if found is None:
+        raise UserError(
+            f"the LoRA adapts {component} layer {module}, which has no name in kohya's {family.title} format; "
+            "train.lora.target_modules lists the layers kohya's format has (see the family's templates)"
+        )
+    return found
+
+
+def kohya_state_dict(
+    state: dict, configs: dict[str, dict], family: str, out_features: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The kohya tensors of a diffusers LoRA. Where the original layout fuses layers (SD 3's and Flux's q, k and
+    v), their adapters become one: the downs stacked, the ups block-diagonal with each one's scale folded in (alpha
+    = rank), and zeros for a fused part the LoRA does not adapt (its output size from `out_features`)."""
+    fam, modules = families.named(family), lora_modules(state)
     unconfigured = sorted({c for c, _ in modules} - configs.keys())
     if unconfigured:
         log.warning(
             "no adapter metadata for %s in the LoRA: exporting alpha = rank (scale 1), as diffusers loads it",
             ", ".join(unconfigured),
         )
+    groups: dict[tuple[str, str], tuple[str, ...]] = {}
+    for component, module in modules:
+        original, parts = _kohya_layer(fam, component, module)
+        groups[component, original] = parts
     kohya = {}
-    for (component, module), (down, up) in modules.items():
-        name = kohya_name(component, module, family)
+    for (component, original), parts in groups.items():
+        name = kohya_name(component, original, family)
+        if len(parts) == 1:
+            down, up = modules[component, parts[0]]
+            alpha = _alpha(configs.get(component, {}), parts[0], down.shape[0])
+        else:
+            down, up = _fused(component, parts, modules, configs, out_features or {})
+            alpha = down.shape[0]
         kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"] = down.contiguous(), up.contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(float(_alpha(configs.get(component, {}), module, down.shape[0])))
+        kohya[f"{name}.alpha"] = torch.tensor(float(alpha))
     return kohya
+
+
+def _fused(component: str, parts: tuple[str, ...], modules: dict, configs: dict, out_features: dict):
+    adapted = [(p, modules.get((component, p))) for p in parts]
+    downs = [pair[0] for _, pair in adapted if pair is not None]
+    rank = sum(d.shape[0] for d in downs)
+    sizes = [pair[1].shape[0] if pair is not None else out_features[component, p] for p, pair in adapted]
+    up = torch.zeros(sum(sizes), rank, dtype=downs[0].dtype)
+    row = col = 0
+    for (part, pair), size in zip(adapted, sizes):
+        if pair is not None:
+            down, part_up = pair
+            r = down.shape[0]
+            scale = _alpha(configs.get(component, {}), part, r) / r
+            up[row : row + size, col : col + r] = part_up * scale
+            col += r
+        row += size
+    return torch.cat(downs), up
+
+
+def diffusers_from_kohya(kohya: dict, family: str, out_features: dict) -> dict[str, torch.Tensor]:
+    """kohya_state_dict's inverse for a family whose fused kohya layers diffusers cannot read back (SD 3's, or
+    Flux's at other than the published sizes): each fused layer split into its parts, every part given the whole
+    down and its rows of the up, the scale folded into the up. Keys as diffusers' LoRA files have them."""
+    fam = families.named(family)
+    prefix = fam.kohya_prefix(fam.denoiser)
+    layers: dict[str, tuple[str, ...]] = {}
+    for (component, module), _ in out_features.items():
+        found = fam.kohya_layer(module) if component == fam.denoiser else None
+        if found:
+            layers[kohya_name(component, found[0], family)] = found[1]
+    out = {}
+    for key in kohya:
+        if not key.endswith(".lora_down.weight"):
+            continue
+        name = key[: -len(".lora_down.weight")]
+        if not name.startswith(prefix) or name not in layers:
+            raise UserError(f"kohya LoRA layer {name} has no {fam.title} {fam.denoiser} layer of that name")
+        down, up = kohya[key], kohya[f"{name}.lora_up.weight"]
+        scale = float(kohya.get(f"{name}.alpha", torch.tensor(down.shape[0]))) / down.shape[0]
+        sizes = [out_features[fam.denoiser, part] for part in layers[name]]
+        for part, rows in zip(layers[name], torch.split(up, sizes)):
+            out[f"{fam.denoiser}.{part}.lora_A.weight"] = down
+            out[f"{fam.denoiser}.{part}.lora_B.weight"] = rows * scale
+    return out
+
+
+def out_features(base_model: str | Path, component: str) -> dict[tuple[str, str], int]:
+    """(component, module) -> output features of every linear layer of a base-model component."""
+    root, _ = loading.model_index(str(base_model))
+    family = loading.pipeline_family(str(base_model))
+    return {
+        (component, name): m.weight.shape[0]
+        for name, m in meta_model(root, component, family).named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
 
 
 def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
@@ -141,7 +224,8 @@ def export_kohya(lora: str | Path, out: str | Path, base_model: str | Path, meta
 
     state, configs = read_lora(lora)
     _check_state(state, base_model, lora)
-    kohya = kohya_state_dict(state, configs, loading.pipeline_family(str(base_model)))
+    family = loading.family_of(str(base_model))
+    kohya = kohya_state_dict(state, configs, family.name, out_features(base_model, family.denoiser))
     with io.atomic_path(out) as tmp:
         save_file(kohya, str(tmp), metadata={"format": "pt", **(metadata or {})})
     return Path(out)

@@ -191,8 +191,9 @@ def loras(
         shutil.copy2(source / LORA_FILE, tmp)
     add_metadata(weight, metadata)
     kohya = export_kohya(weight, check.out / files.lora_kohya, model.pretrained, metadata)
+    family = loading.family_of(model.pretrained, model.revision)
     results = {}
-    for name, path, kwargs in (("lora", weight, {"weight_name": weight.name}), ("lora_kohya", kohya, {})):
+    for name, path in (("lora", weight), ("lora_kohya", kohya)):
         pipe = load_pipeline(
             model.pretrained,
             model.revision,
@@ -201,7 +202,36 @@ def loras(
             check.dtype,
             prediction_type=check.prediction_type,
         )
-        # the folder and weight_name, the way a renamed diffusers LoRA is loaded
-        pipe.load_lora_weights(str(path.parent if kwargs else path), **kwargs)
-        results[name] = compare(name, render(pipe, check), reference, check, path=str(path), loader="load_lora_weights")
+        loader = _load_lora(pipe, path, name, family.diffusers_reads_kohya, model.pretrained)
+        applied = adapted_layers(pipe)
+        result = compare(name, render(pipe, check), reference, check, path=str(path), loader=loader)
+        results[name] = {**result, "adapted_layers": applied, "verified": result["verified"] and applied > 0}
     return results
+
+
+def _load_lora(pipe, path: Path, kind: str, diffusers_reads_kohya: bool, base_model: str) -> str:
+    """Load the LoRA file `path` into `pipe` as users do: the diffusers one by folder and weight_name (the way a
+    renamed diffusers LoRA loads), a kohya one by path, or through sdpipe's reader where diffusers reads none."""
+    if kind == "lora":
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+        return "load_lora_weights"
+    if diffusers_reads_kohya:
+        pipe.load_lora_weights(str(path))
+        return "load_lora_weights"
+    from safetensors.torch import load_file
+
+    from sdpipe.export.lora import diffusers_from_kohya, out_features
+
+    family = loading.family_of(base_model)
+    state = diffusers_from_kohya(load_file(str(path)), family.name, out_features(base_model, family.denoiser))
+    pipe.load_lora_weights(state)
+    return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights"
+
+
+def adapted_layers(pipe) -> int:
+    """How many layers of the pipeline carry a LoRA: diffusers only warns when a file's keys match nothing, and
+    such a LoRA would render like the base model, which a barely trained LoRA also does."""
+    from peft.tuners.lora import LoraLayer
+
+    models = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    return sum(isinstance(layer, LoraLayer) for m in models for layer in m.modules())

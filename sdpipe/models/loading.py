@@ -128,8 +128,8 @@ def load_noise_scheduler(pretrained: str, revision: str | None = None):
 class TextStack:
     """The pipeline's tokenizer(s) and frozen text encoder(s): captions -> the UNet's text conditioning.
 
-    encode() returns "hidden" [B, 77, D] (cross-attention input) for every family and, for SDXL, "pooled" [B, P]
-    (text_encoder_2's projected embedding, an input of SDXL's added time/text embedding).
+    encode() returns the family's text fields (families.Family.text_fields): SD's "hidden" [B, 77, D]
+    (cross-attention input), SDXL's also "pooled" [B, P] (text_encoder_2's projected embedding).
     """
 
     def __init__(
@@ -144,11 +144,15 @@ class TextStack:
         self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
         default = families.named(family).text_encoders[: len(encoders)]
         self.names = list(names) or list(default)  # pipeline component names
+        parts = {part.encoder: part for part in families.named(family).text_parts}
+        self.lengths = [parts[name].max_length if name in parts else None for name in self.names]
         self.dtype, self.device = dtype, torch.device(device)
 
-    def ids(self, tokenizer, encoder, captions: list[str]) -> dict[str, torch.Tensor]:
+    def ids(self, tokenizer, encoder, captions: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
+        """Token ids padded to `length`, by default the tokenizer's own length, at most the encoder's positions
+        (which guards a 1e30 default)."""
         encoder = getattr(encoder, "module", encoder)  # a DDP-wrapped encoder (text-encoder training)
-        length = min(tokenizer.model_max_length, encoder.config.max_position_embeddings)  # guards a 1e30 default
+        length = length or min(tokenizer.model_max_length, encoder.config.max_position_embeddings)
         tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
         ids = {"input_ids": tok.input_ids.to(self.device)}
         if getattr(encoder.config, "use_attention_mask", False):  # as diffusers' pipelines do; off for SD/SDXL

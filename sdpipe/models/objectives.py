@@ -13,8 +13,12 @@ from the global RNG, so its three densities are written out here, following its 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: the family registry imports this module, and `snakemake` validates every
+# config through the registry, where a torch import would cost seconds per start.
 
 
 class Objective:
@@ -43,6 +47,10 @@ class Objective:
         """Each sample's loss weight [B], or None for equal weights."""
         return None
 
+    def prediction(self, scheduler) -> str:
+        """What the denoiser predicts, as summaries and exports' metadata record it."""
+        raise NotImplementedError
+
 
 class DDPM(Objective):
     """Denoising diffusion on a discrete beta schedule (DDPMScheduler, with the pipeline's betas)."""
@@ -50,7 +58,12 @@ class DDPM(Objective):
     scheduler_class = "DDPMScheduler"
 
     def timestep(self, generator, scheduler):
+        import torch
+
         return torch.randint(0, scheduler.config.num_train_timesteps, (1,), generator=generator)
+
+    def prediction(self, scheduler) -> str:
+        return scheduler.config.prediction_type  # "epsilon" or "v_prediction"
 
     def noisy(self, scheduler, latents, noise, timesteps):
         return scheduler.add_noise(latents, noise, timesteps)
@@ -66,6 +79,8 @@ class DDPM(Objective):
         from diffusers.training_utils import compute_snr
 
         snr = compute_snr(scheduler, timesteps)
+        import torch
+
         weight = torch.minimum(snr, torch.full_like(snr, snr_gamma))
         return weight / snr if prediction_type == "epsilon" else weight / (snr + 1)
 
@@ -76,6 +91,8 @@ class DDPM(Objective):
 def density_sample(scheme: str, generator: torch.Generator, logit_mean: float, logit_std: float, mode_scale: float):
     """u in (0, 1), the position on the path before any shift: "uniform"; "logit_normal", sigmoid of N(mean, std);
     "mode", 1 - u - s (cos^2(pi u / 2) - 1 + u) for uniform u (SD 3 paper, eq. 20)."""
+    import torch
+
     if scheme == "logit_normal":
         return torch.sigmoid(logit_mean + logit_std * torch.randn((1,), generator=generator))
     u = torch.rand((1,), generator=generator)
@@ -84,6 +101,8 @@ def density_sample(scheme: str, generator: torch.Generator, logit_mean: float, l
 
 def mode_sample(u: torch.Tensor, scale: float) -> torch.Tensor:
     """The SD 3 paper's mode sampling with heavy tails (eq. 20): 1 - u - s (cos^2(pi u / 2) - 1 + u)."""
+    import torch
+
     return 1 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
 
 
@@ -127,7 +146,7 @@ class FlowMatching(Objective):
         logit_mean: float = 0.0,
         logit_std: float = 1.0,
         mode_scale: float = 1.29,
-        shift: float = 1.0,
+        shift: float | None = None,
         weighting: str = "none",
         precondition: bool = False,
     ):
@@ -137,9 +156,20 @@ class FlowMatching(Objective):
     def sigma(self, scheduler, timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps.float() / scheduler.config.num_train_timesteps
 
+    def static_shift(self, scheduler) -> float:
+        """The shift set here, else the scheduler's static one, as diffusers' training examples take it from the
+        scheduler's sigmas; a scheduler that shifts by image size at sampling time (Flux's) trains unshifted."""
+        if self.shift is not None:
+            return self.shift
+        config = scheduler.config
+        return 1.0 if config.get("use_dynamic_shifting") else float(config.get("shift", 1.0))
+
     def timestep(self, generator, scheduler):
         u = density_sample(self.sampling, generator, self.logit_mean, self.logit_std, self.mode_scale)
-        return shift_sigma(u.clamp(1e-5, 1.0), self.shift) * scheduler.config.num_train_timesteps
+        return shift_sigma(u.clamp(1e-5, 1.0), self.static_shift(scheduler)) * scheduler.config.num_train_timesteps
+
+    def prediction(self, scheduler) -> str:
+        return "flow_x0" if self.precondition else "flow"  # x_0 through SD 3's preconditioning, else the velocity
 
     def _sigma4(self, scheduler, timesteps, like: torch.Tensor) -> torch.Tensor:
         return self.sigma(scheduler, timesteps).to(like.device, like.dtype).view(-1, *[1] * (like.ndim - 1))

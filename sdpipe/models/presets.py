@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sdpipe.errors import UserError
-from sdpipe.models import owned
+from sdpipe.models import owned, presets_flow
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PRESETS = ("tiny", "sd15", "sdxl")
+PRESETS = ("tiny", "sd15", "sdxl", "tiny-sd3", "sd35-medium", "tiny-flux", "flux-dev")
 # Not for users: a shrunken SDXL-family model so tests can cover the two-encoder path cheaply.
 TEST_PRESETS = ("tiny-sdxl",)
-_FAMILY = {"tiny": "sd", "sd15": "sd", "sdxl": "sdxl", "tiny-sdxl": "sdxl"}
+_FAMILY = {"tiny": "sd", "sd15": "sd", "sdxl": "sdxl", "tiny-sdxl": "sdxl", **presets_flow.FAMILY}
 
 
 def _check(preset: str) -> str:
@@ -41,8 +41,17 @@ def _check(preset: str) -> str:
 
 
 def family(preset: str) -> str:
-    """ "sd" (one CLIP text encoder, SD 1.x/2.x pipeline) or "sdxl" (two encoders, pooled + time conditioning)."""
+    """The family's name: "sd" (SD 1.x/2.x), "sdxl", "sd3" (SD 3.5) or "flux"."""
     return _FAMILY[_check(preset)]
+
+
+def is_unet(preset: str) -> bool:
+    return preset not in presets_flow.FAMILY
+
+
+def denoiser_config(preset: str) -> dict:
+    """The denoiser's kwargs: the UNet's, or the SD 3 / Flux transformer's."""
+    return unet_config(preset) if is_unet(_check(preset)) else presets_flow.denoiser_config(preset)
 
 
 def _clip_text(hidden: int, layers: int, heads: int, inter: int, act: str, proj: int) -> CLIPTextConfig:
@@ -102,7 +111,9 @@ def _vae(channels: tuple[int, ...], layers: int, sample_size: int, scaling: floa
 
 def vae_config(preset: str) -> dict:
     """AutoencoderKL kwargs. The downsampling factor is 2 ** (len(block_out_channels) - 1)."""
-    if _check(preset) in ("tiny", "tiny-sdxl"):
+    if not is_unet(_check(preset)):
+        return presets_flow.vae_config(preset)
+    if preset in ("tiny", "tiny-sdxl"):
         # 8 norm groups, not SD's 32: with 32 channels, 32 groups normalise each channel on its own, which erases
         # a flat shape's colour (the from-scratch demo VAE then decoded every shape pinkish; 2-core CPU calibration).
         # 0.18215 is SD's convention; a VAE trained from scratch re-measures it (1 / std of its latents).
@@ -187,6 +198,8 @@ def scheduler(preset: str):
     """
     from diffusers import DDIMScheduler, DDPMScheduler
 
+    if not is_unet(_check(preset)):
+        return presets_flow.scheduler(preset)
     common = dict(
         num_train_timesteps=1000,
         beta_schedule="scaled_linear",
@@ -219,6 +232,8 @@ def build_pipeline(preset: str, seed: int = 0) -> DiffusionPipeline:
     from sdpipe.models.tokenizer import build_clip_tokenizer
 
     torch.manual_seed(seed)  # one seed, and a fixed build order below, make every weight reproducible
+    if not is_unet(_check(preset)):
+        return presets_flow.build_pipeline(preset)
     parts: dict[str, Any] = dict(
         unet=UNet2DConditionModel(**unet_config(preset)),
         vae=AutoencoderKL(**vae_config(preset)),
@@ -264,9 +279,9 @@ def build_and_save(preset: str, out: Path, seed: int = 0) -> Path:
     tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        for sub in ("tokenizer", "tokenizer_2"):
-            if (tmp / sub).is_dir():  # also the hub's vocab.json/merges.txt, for tools that read only those
-                write_vocab_files(tmp / sub)
+        for sub, part in pipe.components.items():
+            if type(part).__name__ == "CLIPTokenizer":  # also the hub's vocab.json/merges.txt, for tools that read
+                write_vocab_files(tmp / sub)  # only those
         owned.mark(tmp, preset, seed)
         if out.is_dir():
             out.rmdir()  # empty (checked above); rename cannot replace a folder on every platform

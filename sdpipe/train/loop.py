@@ -182,7 +182,7 @@ def build(cfg: Config, index: Path, out: Path) -> Run:
     ema = build_ema(cfg, [p for m in [unet, *encoders] for p in trainable(m)], accelerator)
     trackers.start(accelerator, cfg, out)
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
-    prediction = t.prediction_type or noise_scheduler.config.prediction_type
+    prediction = t.prediction_type or data.family.objective.prediction(noise_scheduler)
     ident = model_id(cfg, data)
     forward = training_forward(cfg, unet, accelerator.device)
     return Run(

@@ -7,7 +7,7 @@ names, and the base-model facts exports and cards carry. Code elsewhere asks the
 branching on its name. Adding a family is a module here that defines `FAMILY`; docs/ARCHITECTURE.md lists the rest
 (presets, templates, tests).
 
-A pipeline sdpipe cannot train (SD 3, Flux, or any other transformer-denoised one) is refused in one line instead
+A pipeline sdpipe cannot train (PixArt, Sana, or any other family without a module here) is refused in one line instead
 of being taken for SDXL because it too has a second text encoder.
 """
 
@@ -29,13 +29,15 @@ if TYPE_CHECKING:
 
 
 class TextPart(NamedTuple):
-    """One tokenizer and text encoder of a pipeline: their subfolders and the classes used when model_index.json
-    names none that transformers has."""
+    """One tokenizer and text encoder of a pipeline: their subfolders, the classes used when model_index.json
+    names none that transformers has, and the token length captions are padded or cut to (None: the tokenizer's
+    own, at most the encoder's positions; T5 has no positions of its own, so its pipelines choose the length)."""
 
     tokenizer: str
     encoder: str
     tokenizer_class: str
     encoder_class: str
+    max_length: int | None = None
 
 
 class Base(NamedTuple):
@@ -56,9 +58,9 @@ class Family:
     name: str  # the value caches, presets, configs and template names record: "sd" or "sdxl"
     title: str  # what users call it
     priority: int  # detection asks families in descending priority: a more specific family before its fallback
-    # Detection: from a pipeline's model_index.json, a UNet config, and a single file's key names.
+    # Detection: from a pipeline's model_index.json, a denoiser's config, and a single file's key names.
     detects: Callable[[dict], bool]
-    unet_matches: Callable[[dict], bool]
+    config_matches: Callable[[dict], bool]
     single_file_keys: tuple[str, ...]  # key prefixes an original-layout file of this family has, all of them
     pipeline_class: str  # the pipeline that renders it: a diffusers class name, or "module:Class" for one elsewhere
     # from_pretrained arguments that keep rendering plain and comparable across runs: no safety checker (SD), no
@@ -89,6 +91,18 @@ class Family:
     bases: tuple[Base, ...]
     # check-config's memory rule of thumb: activation GB per sample-megapixel, measured (sdpipe/plan.py)
     activation_gb_per_mp: float
+    # From the denoiser's config: how many latent cells each bucket side must be a multiple of (a UNet halves the
+    # latent at every down block but the last; a transformer cuts it into patches), and the latent side the model
+    # was made for (None: the VAE's sample_size says it).
+    latent_multiple: Callable[[dict], int] = lambda config: 2 ** (len(config["down_block_types"]) - 1)
+    native_latent: Callable[[dict], int | None] = lambda config: _side(config.get("sample_size"))
+    # kohya's name for a denoiser module: (the original layout's module, the diffusers modules fused into it, in
+    # the order their outputs are stacked), or None where the original layout has no such layer. SD's UNet keeps
+    # diffusers' names in kohya files; SD 3 and Flux use the original model's, with q, k and v fused.
+    kohya_layer: Callable[[str], tuple[str, tuple[str, ...]] | None] = lambda module: (module, (module,))
+    # Whether diffusers' load_lora_weights reads this family's kohya files at every model size (export
+    # verification reloads them that way); else sdpipe's reader splits the fused layers back first.
+    diffusers_reads_kohya: bool = True
 
     @property
     def text_encoders(self) -> tuple[str, ...]:
@@ -107,6 +121,27 @@ class Family:
 
     def kohya_prefix(self, component: str) -> str:
         return dict(self.kohya_prefixes)[component]
+
+
+def fused_layers(
+    module: str, blocks: dict[str, str], table: dict[str, tuple[str, ...]]
+) -> tuple[str, tuple[str, ...]] | None:
+    """A kohya_layer from tables: `blocks` maps a diffusers block list to the original's ("transformer_blocks" ->
+    "double_blocks"); `table` maps an original module in a block to the diffusers modules fused into it."""
+    block, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if block not in blocks or not index.isdigit():
+        return None
+    prefix = f"{block}.{index}."
+    for original, parts in table.items():
+        kind, _, name = original.partition(":")  # "double:img_attn.qkv": a module of a "double" block
+        if blocks[block].startswith(kind) and inner in parts:
+            return f"{blocks[block]}.{index}.{name}", tuple(prefix + p for p in parts)
+    return None
+
+
+def _side(size) -> int | None:
+    return size[0] if isinstance(size, (list, tuple)) else size
 
 
 @functools.cache
@@ -142,9 +177,9 @@ def unet_predict(model, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict
     ).sample
 
 
-def from_unet_config(unet: dict) -> Family:
-    """The family of a UNet config."""
-    return next(f for f in registered() if f.unet_matches(unet))
+def from_denoiser_config(config: dict) -> Family:
+    """The family of a denoiser's config (a UNet's or a transformer's)."""
+    return next(f for f in registered() if f.config_matches(config))
 
 
 def from_single_file_keys(has: Callable[[str], bool]) -> Family | None:
@@ -165,8 +200,6 @@ def base_named(version: str) -> Base | None:
 
 # model_index.json class names of families sdpipe does not train, as users know them.
 UNSUPPORTED = {
-    "StableDiffusion3": "Stable Diffusion 3 / 3.5",
-    "Flux": "Flux",
     "PixArt": "PixArt",
     "Sana": "Sana",
     "AuraFlow": "AuraFlow",

@@ -47,7 +47,7 @@ FAMILY = Family(
     "SD 1.x/2.x",
     priority=0,  # the fallback: any text-conditioned UNet pipeline no other family claims
     detects=lambda index: present(index, "unet") and not present(index, "transformer"),
-    unet_matches=lambda unet: True,
+    config_matches=lambda unet: True,
     single_file_keys=("model.diffusion_model.", "cond_stage_model."),
     pipeline_class="StableDiffusionPipeline",
     load_args=(("safety_checker", None), ("requires_safety_checker", False)),

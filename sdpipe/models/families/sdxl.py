@@ -45,7 +45,7 @@ FAMILY = Family(
     "SDXL",
     priority=10,
     detects=detects,
-    unet_matches=lambda unet: unet.get("addition_embed_type") == "text_time",  # adds text and time embeddings
+    config_matches=lambda unet: unet.get("addition_embed_type") == "text_time",  # adds text and time embeddings
     single_file_keys=("conditioner.embedders.1.",),
     pipeline_class="StableDiffusionXLPipeline",
     load_args=(("add_watermarker", False),),
