@@ -160,6 +160,49 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, cach
     assert [int(r["step"]) for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
 
 
+def test_a_bf16_lora_run_checkpoints_its_adapters_alone_and_resumes_exactly(tmp_path, cache):
+    """A LoRA run keeps its frozen base in the mixed-precision dtype and checkpoints only what trains (a FLUX.1
+    LoRA's checkpoints would otherwise copy the 12-billion-parameter transformer); resuming from one still gives
+    the uninterrupted run's adapters, and validation renders through the bf16 base."""
+    lora = dict(mode="lora", max_steps=4, mixed_precision="bf16", lora={"rank": 4, "alpha": 4})
+    train(tmp_path, cache, "straight", **lora, validation={"every": 2, "steps": 2, "prompts": ["a red circle"]})
+    train(tmp_path, cache, "resumed", **lora)
+    saved = [load_file(str(f)) for f in (tmp_path / "resumed" / "checkpoints").rglob("model.safetensors")]
+    assert len(saved) == 2 and all(s and all("lora_" in k for k in s) for s in saved), "adapters only"
+    assert all(t.dtype == torch.float32 for s in saved for t in s.values())  # the adapters train in fp32
+    _drop_after(tmp_path / "resumed", 2)
+    proc = train(tmp_path, cache, "resumed", **lora)
+    assert "resuming from" in proc.stderr
+    final = "final/pytorch_lora_weights.safetensors"
+    resumed, straight = (load_file(str(tmp_path / run / final)) for run in ("resumed", "straight"))
+    assert_same_weights(resumed, straight, 1e-6)
+    assert list((tmp_path / "straight" / "samples").glob("step-*.png")), "validation rendered"
+
+
+def test_a_lora_base_is_frozen_in_the_mixed_precision_dtype(cache):
+    from sdpipe.train.models import build_unet
+
+    raw = {**cache[1], "train": {**TRAIN, "mode": "lora", "mixed_precision": "bf16"}}
+    dtypes = {(p.requires_grad, p.dtype) for p in build_unet(config.from_dict(raw), "cpu").parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+
+
+def test_a_checkpoint_lacking_a_trained_weight_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdpipe.train.checkpoint import trained_weights_missing
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    save_file({"1.weight": model[1].weight.detach().clone()}, str(tmp_path / "model.safetensors"))
+    assert trained_weights_missing(tmp_path, [model]) == "model.safetensors lacks the trained weight 1.bias"
+    trained = {k: v for k, v in model.state_dict().items() if k.startswith("1.")}
+    save_file({k: v + 1 for k, v in trained.items()}, str(tmp_path / "model.safetensors"))
+    assert trained_weights_missing(tmp_path, [model]) == "the trained weight 1.weight did not load"
+    save_file(trained, str(tmp_path / "model.safetensors"))
+    assert trained_weights_missing(tmp_path, [model]) is None
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
 def test_a_sdpipe_folder_in_the_project_does_not_shadow_the_installed_package(tmp_path, cache):
     """Issue 26, item 7: `python -m sdpipe.train.loop` imported ./sdpipe instead of the installed package."""

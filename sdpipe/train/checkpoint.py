@@ -128,6 +128,44 @@ def save(accelerator, root: Path, step: int, state: dict, keep: int, metrics: Pa
     return final
 
 
+def save_only_trainable(accelerator) -> None:
+    """A checkpoint holds the weights training changes, not the frozen base every run loads again: a LoRA run's
+    checkpoint is its adapters (megabytes), not a copy of the transformer (FLUX.1's: 24 GB in bf16)."""
+
+    def drop_frozen(models, weights, _output_dir) -> None:
+        for model, state in zip(models, weights):
+            for name in frozen_names(accelerator.unwrap_model(model)):
+                state.pop(name, None)
+
+    accelerator.register_save_state_pre_hook(drop_frozen)
+
+
+def frozen_names(model) -> set[str]:
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def trained_weights_missing(path: Path, models: list) -> str | None:
+    """After a checkpoint of trainable weights only loaded (non-strict, so the frozen base is not asked for): which
+    trained weight the files lack or did not set, or None."""
+    import torch
+    from safetensors import safe_open
+
+    for i, model in enumerate(models):
+        file = path / (f"model_{i}.safetensors" if i else "model.safetensors")
+        if not file.is_file():
+            return f"{file.name} is missing"
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for name, param in model.named_parameters():
+                if not param.requires_grad:
+                    continue
+                if name not in keys:
+                    return f"{file.name} lacks the trained weight {name}"
+                if not torch.equal(f.get_tensor(name).to(param.device, param.dtype), param.detach()):
+                    return f"the trained weight {name} did not load"
+    return None
+
+
 def disk_full(exc: BaseException, folder: Path) -> bool:
     """Whether a failed save ran out of space: torch says only "file write failed", so the folder's free space
     decides where the error does not carry ENOSPC itself."""

@@ -179,6 +179,7 @@ def build(cfg: Config, index: Path, out: Path) -> Run:
     if text:
         text.encoders = encoders
     accelerator.register_for_checkpointing(lr_scheduler)
+    checkpoint.save_only_trainable(accelerator)
     ema = build_ema(cfg, [p for m in [unet, *encoders] for p in trainable(m)], accelerator)
     trackers.start(accelerator, cfg, out)
     sampler = BucketSampler(buckets, cfg.seed, world, t.per_device_batch_size, accelerator.process_index)
@@ -267,11 +268,13 @@ def _load(run: Run, path: Path) -> str | None:
     checkpoint.check_compatible(checkpoint.read_state(path), run.model_id, path)
     for custom in sorted(path.glob("custom_checkpoint_*.pkl")):  # accelerate unpickles these with weights_only=False
         plain_data.check(custom, "a checkpoint's LR scheduler or EMA state")
+    models = [run.accelerator.unwrap_model(m) for m in run.trained().values()]
+    base_frozen = any(checkpoint.frozen_names(m) for m in models)  # the files hold the trained weights only
     try:
-        run.accelerator.load_state(str(path))
+        run.accelerator.load_state(str(path), strict=not base_frozen)
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
         return f"loading failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    return None
+    return checkpoint.trained_weights_missing(path, models) if base_frozen else None
 
 
 def micro_step(

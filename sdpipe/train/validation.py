@@ -82,7 +82,8 @@ def render(
     try:
         for m in models.values():
             m.eval()  # no LoRA dropout while sampling
-        with torch.no_grad():
+        # autocast: a LoRA run keeps its frozen weights in the mixed-precision dtype (models.freeze_in)
+        with torch.no_grad(), accelerator.autocast():
             if mine:
                 images = _generate(
                     cfg, models, accelerator.device, mine, num_inference_steps, guidance_scale, resolution
