@@ -142,8 +142,10 @@ def _check_family(template: str, cfg: Config) -> None:
 
     family, wanted = _model_family(cfg), templates.family(template)
     if family and family != wanted:
+        title = families.named(family).title
+        article = "an" if title[0] in "AEIOS" else "a"  # "an SDXL model" (letters), "a Flux.1 model" (a word)
         raise UserError(
-            f"{cfg.model.pretrained} is an {families.named(family).title} model and template {template} is for "
+            f"{cfg.model.pretrained} is {article} {title} model and template {template} is for "
             f"{families.named(wanted).title}; pick another template (sdpipe init --list)"
         )
 

@@ -15,27 +15,8 @@ import yaml
 from sdpipe import config, templates
 from sdpipe.errors import UserError
 from sdpipe.project import init
-from tests.workflow_helpers import REPO, run
+from tests.workflow_helpers import REPO, TEMPLATE_FAST, run
 
-# What shrinks a template's job to the tiny preset and a few CPU steps: a second config file on the command line,
-# merged over the project's (the effective-config rule), so the project's own file stays the template's.
-FAST = {
-    "prepare": {"min_size": 32, "eval_fraction": 0.0, "workers": 1, "buckets": {"resolution": 32, "step": 8}},
-    "latents": {"dtype": "fp32", "gpus": 0},
-    "dreambooth": {"num_class_images": 2, "steps": 2, "batch_size": 2, "gpus": 0},
-    "train": {
-        "max_steps": 3,
-        "epochs": 1,
-        "per_device_batch_size": 2,
-        "grad_accum_steps": 1,
-        "lr_warmup_steps": 0,
-        "mixed_precision": "fp32",
-        "validation": {"every": 0},
-        "gradient_checkpointing": False,
-    },
-    "export": {"verify": {"steps": 2}},
-    "evaluate": {"steps": 2, "seeds": [0], "batch_size": 2, "fid": {"enabled": False}},
-}
 DREAMBOOTH = {"instance_prompt": "a photo of sks shape", "class_prompt": "a photo of a shape"}
 
 
@@ -55,8 +36,18 @@ def photos(tmp_path, demo_source) -> Path:
     return out
 
 
-def model_for(name: str, tiny_model: Path, tiny_sdxl: Path) -> Path:
-    return tiny_sdxl if templates.family(name) == "sdxl" else tiny_model
+@pytest.fixture(scope="module")
+def flow_models(tmp_path_factory) -> dict[str, Path]:
+    """tiny-sd3 and tiny-flux, saved as users' folders are, by family."""
+    from sdpipe.models import presets
+
+    root = tmp_path_factory.mktemp("flow")
+    return {presets.family(p): presets.build_and_save(p, root / p, seed=0) for p in ("tiny-sd3", "tiny-flux")}
+
+
+def model_for(name: str, tiny_model: Path, tiny_sdxl: Path, flow: dict[str, Path]) -> Path:
+    family = templates.family(name)
+    return {"sd": tiny_model, "sdxl": tiny_sdxl, **flow}[family]
 
 
 def extra_for(name: str) -> dict:
@@ -64,14 +55,18 @@ def extra_for(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", templates.names())
-def test_each_template_makes_a_project_whose_dag_snakemake_plans(name, tmp_path, photos, tiny_model, tiny_sdxl):
+def test_each_template_makes_a_project_whose_dag_snakemake_plans(
+    name, tmp_path, photos, tiny_model, tiny_sdxl, flow_models
+):
     project = tmp_path / "job"
-    written = init(project, name, photos, str(model_for(name, tiny_model, tiny_sdxl)), [], **extra_for(name))
+    model = model_for(name, tiny_model, tiny_sdxl, flow_models)
+    written = init(project, name, photos, str(model), [], **extra_for(name))
     raw = yaml.safe_load(written.read_text())
     assert config.merge(raw, templates.settings(name)) == raw, "every template setting is in the project's config"
     assert raw["data"]["raw_dir"] == str(photos) and raw["evaluate"]["prompts"]
     assert not (project / "models").exists() and "models/tiny" not in (project / "dvc.yaml").read_text()
-    (project / "fast.yaml").write_text(yaml.safe_dump(FAST))
+    assert raw["model"]["pretrained"] == str(model)
+    (project / "fast.yaml").write_text(yaml.safe_dump(TEMPLATE_FAST))
     proc = run(["snakemake", "-n", "--cores", "1", "--configfile", "config/config.yaml", "fast.yaml"], project)
     jobs = set(re.findall(r"^rule (\w+):", proc.stdout, re.M))
     expected = {"prepare", "caption", "latents", "train", "export", "evaluate", "report"}
@@ -101,12 +96,14 @@ def readme_rows() -> list[list[str]]:
     return [line.strip("|").split("|") for line in table.strip().splitlines()[2:] if line.startswith("|")]
 
 
-def test_init_refuses_what_it_cannot_do_in_one_line(tmp_path, photos, tiny_model, tiny_sdxl):
+def test_init_refuses_what_it_cannot_do_in_one_line(tmp_path, photos, tiny_model, tiny_sdxl, flow_models):
     with pytest.raises(UserError, match="give --instance-prompt"):
         init(tmp_path / "a", "sd15-dreambooth", photos, str(tiny_model), [])
     with pytest.raises(UserError, match="is an SDXL model and template sd15-lora is for SD 1.x/2.x"):
         init(tmp_path / "b", "sd15-lora", photos, str(tiny_sdxl), [])
-    with pytest.raises(UserError, match="no template 'sd3-lora'; the templates are: sd15-dreambooth"):
+    with pytest.raises(UserError, match="is a Flux.1 model and template sd35-lora is for SD 3 / 3.5"):
+        init(tmp_path / "c", "sd35-lora", photos, str(flow_models["flux"]), [])
+    with pytest.raises(UserError, match="no template 'sd3-lora'; the templates are: flux-lora, sd15-dreambooth"):
         init(tmp_path / "c", "sd3-lora", photos, str(tiny_model), [])
     with pytest.raises(UserError, match="--images .*: no such folder"):
         init(tmp_path / "d", "sd15-lora", tmp_path / "nothing", str(tiny_model), [])
@@ -149,7 +146,7 @@ def test_two_commands_from_photos_to_a_lora_diffusers_loads(tmp_path, photos, ti
     )
     assert proc.returncode == 0, proc.stderr
     assert "next: cd" in proc.stdout and "snakemake --profile runpod" in proc.stdout
-    (project / "fast.yaml").write_text(yaml.safe_dump(FAST))
+    (project / "fast.yaml").write_text(yaml.safe_dump(TEMPLATE_FAST))
     run(
         ["snakemake", "--profile", "runpod", "--cores", "2", "--configfile", "config/config.yaml", "fast.yaml"], project
     )

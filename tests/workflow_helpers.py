@@ -29,6 +29,26 @@ FAST = {
     },
 }  # 40 images leave no eval split
 
+# What shrinks a template's job to the tiny preset and a few CPU steps: a second config file on the command line,
+# merged over the project's (the effective-config rule), so the project's own file stays the template's.
+TEMPLATE_FAST = {
+    "prepare": {"min_size": 32, "eval_fraction": 0.0, "workers": 1, "buckets": {"resolution": 32, "step": 8}},
+    "latents": {"dtype": "fp32", "gpus": 0},
+    "dreambooth": {"num_class_images": 2, "steps": 2, "batch_size": 2, "gpus": 0},
+    "train": {
+        "max_steps": 3,
+        "epochs": 1,
+        "per_device_batch_size": 2,
+        "grad_accum_steps": 1,
+        "lr_warmup_steps": 0,
+        "mixed_precision": "fp32",
+        "validation": {"every": 0},
+        "gradient_checkpointing": False,
+    },
+    "export": {"verify": {"steps": 2}},
+    "evaluate": {"steps": 2, "seeds": [0], "batch_size": 2, "fid": {"enabled": False}},
+}
+
 
 def make_project(dest: Path, raw_source: Path | None, with_code: bool = False, **config_changes) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
