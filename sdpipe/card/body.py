@@ -60,7 +60,8 @@ def model_section(facts: dict) -> str:
         detail = f"LoRA, rank {lora['rank']}, alpha {lora['alpha']}" if mode == "lora" else "full fine-tune"
         rows.append([component.replace("_", " "), detail])
     if facts["lora"]:
-        rows.append(["LoRA target modules (UNet)", ", ".join(lora["target_modules"])])
+        denoiser = next(iter(facts["components"]), "unet")  # the denoiser comes first: unet or transformer
+        rows.append([f"LoRA target modules ({denoiser})", ", ".join(lora["target_modules"])])
     if "text_encoder" not in facts["components"]:
         rows.append(["text encoder", "frozen (not trained)"])
     return "## Model\n\n" + table(["", ""], rows)
