@@ -98,6 +98,11 @@ def _check_family_options(cfg: Config, name: str) -> None:
                 f"config: {key} = {value} applies to the DDPM objective of SD and SDXL; {fam.title} trains by "
                 f"flow matching ({cfg.model.pretrained}): set {key}: null"
             )
+    if t.text_encoder.mode != "none" and not fam.trains_text_encoders:
+        raise UserError(
+            f"config: train.text_encoder.mode = {t.text_encoder.mode}: sdpipe does not train {fam.title}'s text "
+            f"encoders yet ({cfg.model.pretrained}); set train.text_encoder.mode: none (their states are cached)"
+        )
     if cfg.export.single_file and fam.single_file_denoiser is None:
         raise UserError(
             f"config: export.single_file is true, but sdpipe writes no single-file {fam.title} checkpoint yet "

@@ -3,9 +3,12 @@ with what diffusers' own pipelines and readers do, on the tiny presets saved and
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from sdpipe.errors import UserError
 from sdpipe.export import lora as lora_export
 from sdpipe.models import families, loading, presets
 from sdpipe.models.families import flux, sd3
@@ -155,8 +158,26 @@ def test_kohya_export_and_sdpipes_reader_round_trip(saved, preset):
 
 
 def test_a_layer_without_a_kohya_name_is_a_clear_error():
-    from sdpipe.errors import UserError
 
     state = _random_lora({"x_embedder": (8, 4)}, rank=1, seed=0)
     with pytest.raises(UserError, match="x_embedder.*kohya"):
         lora_export.kohya_state_dict(state, {}, "flux", {})
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"train": {"snr_gamma": 5.0}}, "train.snr_gamma = 5.0 applies to the DDPM objective of SD and SDXL"),
+        ({"train": {"prediction_type": "epsilon"}}, "train.prediction_type = epsilon applies to the DDPM objective"),
+        ({"train": {"text_encoder": {"mode": "lora"}}}, "sdpipe does not train SD 3 / 3.5's text encoders yet"),
+        ({"export": {"single_file": True}}, "sdpipe writes no single-file SD 3 / 3.5 checkpoint yet"),
+    ],
+)
+def test_settings_the_family_cannot_use_fail_before_any_work(saved, change, says):
+    from sdpipe import config, model_facts
+
+    base = {"model": {"pretrained": str(saved["tiny-sd3"]), "build_preset": None}, "export": {"single_file": False}}
+    cfg = config.from_dict(config.merge(base, change))
+    with pytest.raises(UserError, match=re.escape(says)):
+        model_facts.check(cfg)
+    model_facts.check(config.from_dict(base))  # the same base without the setting passes

@@ -103,6 +103,9 @@ class Family:
     # Whether diffusers' load_lora_weights reads this family's kohya files at every model size (export
     # verification reloads them that way); else sdpipe's reader splits the fused layers back first.
     diffusers_reads_kohya: bool = True
+    # Whether train.text_encoder may train this family's encoders. Not yet for SD 3 and Flux: diffusers' scripts
+    # train their CLIPs only, with T5's states still computed, which sdpipe's cache-or-train-all text stack lacks.
+    trains_text_encoders: bool = True
 
     @property
     def text_encoders(self) -> tuple[str, ...]:

@@ -137,4 +137,5 @@ FAMILY = Family(
     native_latent=lambda config: None,  # the VAE's sample_size says it (1024 px)
     kohya_layer=lambda module: fused_layers(module, KOHYA_BLOCKS, KOHYA_TABLE),
     diffusers_reads_kohya=False,  # diffusers' reader assumes FLUX.1's published sizes
+    trains_text_encoders=False,
 )

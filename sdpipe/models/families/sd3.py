@@ -127,4 +127,5 @@ FAMILY = Family(
     latent_multiple=lambda config: config["patch_size"],
     kohya_layer=lambda module: fused_layers(module, KOHYA_BLOCKS, KOHYA_TABLE),
     diffusers_reads_kohya=False,  # diffusers has no reader for SD 3's kohya files
+    trains_text_encoders=False,
 )
