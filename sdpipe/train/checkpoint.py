@@ -146,7 +146,9 @@ def frozen_names(model) -> set[str]:
 
 def trained_weights_missing(path: Path, models: list) -> str | None:
     """After a checkpoint of trainable weights only loaded (non-strict, so the frozen base is not asked for): which
-    trained weight the files lack or did not set, or None."""
+    trained weight the files lack or did not set, or None. Every name is checked in the file's header; one value
+    per model is compared, enough to catch names that matched nothing (a wrapper's prefix), without reading a
+    fully trained model's weights twice."""
     import torch
     from safetensors import safe_open
 
@@ -154,13 +156,13 @@ def trained_weights_missing(path: Path, models: list) -> str | None:
         file = path / (f"model_{i}.safetensors" if i else "model.safetensors")
         if not file.is_file():
             return f"{file.name} is missing"
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
-            for name, param in model.named_parameters():
-                if not param.requires_grad:
-                    continue
-                if name not in keys:
-                    return f"{file.name} lacks the trained weight {name}"
+            missing = next((name for name, _ in trained if name not in keys), None)
+            if missing:
+                return f"{file.name} lacks the trained weight {missing}"
+            for name, param in trained[:1]:
                 if not torch.equal(f.get_tensor(name).to(param.device, param.dtype), param.detach()):
                     return f"the trained weight {name} did not load"
     return None
