@@ -202,27 +202,26 @@ def loras(
             check.dtype,
             prediction_type=check.prediction_type,
         )
-        loader = _load_lora(pipe, path, name, family.diffusers_reads_kohya, model.pretrained)
+        loader = _load_lora(pipe, path, name, family, model.pretrained)
         applied = adapted_layers(pipe)
         result = compare(name, render(pipe, check), reference, check, path=str(path), loader=loader)
         results[name] = {**result, "adapted_layers": applied, "verified": result["verified"] and applied > 0}
     return results
 
 
-def _load_lora(pipe, path: Path, kind: str, diffusers_reads_kohya: bool, base_model: str) -> str:
+def _load_lora(pipe, path: Path, kind: str, family, base_model: str) -> str:
     """Load the LoRA file `path` into `pipe` as users do: the diffusers one by folder and weight_name (the way a
     renamed diffusers LoRA loads), a kohya one by path, or through sdpipe's reader where diffusers reads none."""
     if kind == "lora":
         pipe.load_lora_weights(str(path.parent), weight_name=path.name)
         return "load_lora_weights"
-    if diffusers_reads_kohya:
+    if family.diffusers_reads_kohya:
         pipe.load_lora_weights(str(path))
         return "load_lora_weights"
     from safetensors.torch import load_file
 
     from sdpipe.export.lora import diffusers_from_kohya, out_features
 
-    family = loading.family_of(base_model)
     state = diffusers_from_kohya(load_file(str(path)), family.name, out_features(base_model, family.denoiser))
     pipe.load_lora_weights(state)
     return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights"
