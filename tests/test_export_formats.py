@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from sdpipe.errors import UserError
 from sdpipe.export import lora as lora_export
 from sdpipe.export import single_file
-from sdpipe.models import presets
+from sdpipe.models import families, presets
 
 PRESETS = ("tiny", "tiny-sdxl")
 RANK, ALPHA = 4, 2  # alpha != rank: an export that wrote alpha = rank would double every update
@@ -23,7 +23,11 @@ TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1"]
 
 
 def _text_encoders(preset: str) -> list[str]:
-    return ["text_encoder", "text_encoder_2"] if presets.family(preset) == "sdxl" else ["text_encoder"]
+    return list(families.named(presets.family(preset)).text_encoders)
+
+
+def _components(preset: str) -> list[str]:
+    return [families.named(presets.family(preset)).denoiser, "vae", *_text_encoders(preset)]
 
 
 def _perturbed_model(preset: str, tmp: Path):
@@ -32,7 +36,7 @@ def _perturbed_model(preset: str, tmp: Path):
     pipe = DiffusionPipeline.from_pretrained(presets.build_and_save(preset, tmp / "base", seed=0))
     torch.manual_seed(1)
     with torch.no_grad():
-        for name in ["unet", "vae", *_text_encoders(preset)]:
+        for name in _components(preset):
             for p in getattr(pipe, name).parameters():
                 p.add_(0.01 * torch.randn_like(p))
     pipe.save_pretrained(tmp / "model")
@@ -73,7 +77,8 @@ def built(tmp_path_factory):
         if preset not in cache:
             tmp = tmp_path_factory.mktemp(preset)
             model, pipe = _perturbed_model(preset, tmp)
-            cache[preset] = (model, pipe, _trained_lora(preset, model, tmp / "lora"))
+            unet = families.named(presets.family(preset)).denoiser == "unet"  # the LoRA tests here are the UNet's
+            cache[preset] = (model, pipe, _trained_lora(preset, model, tmp / "lora") if unet else None)
         return cache[preset]
 
     return get
@@ -87,18 +92,32 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize(
     "preset, dtype",
-    [("tiny", "fp32"), ("tiny-sdxl", "fp32"), ("tiny", "fp16"), ("tiny-sdxl", "fp16"), ("tiny", "bf16")],
+    [
+        ("tiny", "fp32"),
+        ("tiny-sdxl", "fp32"),
+        ("tiny", "fp16"),
+        ("tiny-sdxl", "fp16"),
+        ("tiny", "bf16"),
+        ("tiny-sd3", "fp32"),
+        ("tiny-sd3", "bf16"),
+    ],
 )
 def test_single_file_loads_back_in_diffusers(built, tmp_path, preset, dtype) -> None:
     model, pipe, _ = built(preset)
     path = single_file.export_single_file(model, tmp_path / "model.safetensors", dtype=dtype)
     stored = {v.dtype for v in load_file(path).values()}
     assert stored == {single_file.DTYPES[dtype]}, f"file holds {stored}, asked for {dtype}"
+    text_in_file = presets.family(preset) != "sd3"  # SD 3's file is the MMDiT and the VAE, as Stability ships it
+    in_file = {"unet", "transformer", "vae", *(_text_encoders(preset) if text_in_file else [])}
+    if not text_in_file:
+        assert {k.split(".")[0] for k in load_file(path)} == {"model", "first_stage_model"}
     loaded = single_file.load_single_file(path, model, presets.family(preset))
-    for name in ["unet", "vae", *_text_encoders(preset)]:
+    for name in _components(preset):
         # fp32 must be bit-exact; fp16/bf16 exactly the original rounded once to that precision (round to nearest,
-        # i.e. within half an ulp: relative error <= 2**-11 for fp16, 2**-8 for bf16).
-        want = {k: v.to(single_file.DTYPES[dtype]).float() for k, v in getattr(pipe, name).state_dict().items()}
+        # i.e. within half an ulp: relative error <= 2**-11 for fp16, 2**-8 for bf16). SD 3's text encoders are
+        # not in its file: they come from the folder as they are.
+        rounded = single_file.DTYPES[dtype] if name in in_file else torch.float32
+        want = {k: v.to(rounded).float() for k, v in getattr(pipe, name).state_dict().items()}
         _assert_same(getattr(loaded, name).state_dict(), want, f"{preset} {dtype} {name}")
 
 
@@ -130,6 +149,27 @@ def test_full_size_layout_matches_diffusers_converter(preset, model_type) -> Non
     for name, model in models.items():
         want = {k: v.shape for k, v in model.state_dict().items()}
         assert {k: v.shape for k, v in converted[name].items()} == want, f"{preset} {name}"
+
+
+def test_sd35_medium_layout_is_what_diffusers_reads_as_35_medium() -> None:
+    """SD 3.5 Medium's published size on the meta device: diffusers must class the file as 3.5 Medium (so its
+    default configs fit) and its converters must map every name back, same shapes."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from diffusers.loaders import single_file_utils as ref
+
+    with init_empty_weights():
+        transformer = SD3Transformer2DModel(**presets.denoiser_config("sd35-medium"))
+        vae = AutoencoderKL(**presets.vae_config("sd35-medium"))
+    state = single_file.original_state_dict(transformer, vae, [], "sd3")
+    assert ref.infer_diffusers_model_type(state) == "sd35_medium"
+    converted = {
+        "transformer": ref.convert_sd3_transformer_checkpoint_to_diffusers(dict(state)),
+        "vae": ref.convert_ldm_vae_checkpoint(state, vae.config),
+    }
+    for name, model in {"transformer": transformer, "vae": vae}.items():
+        want = {k: v.shape for k, v in model.state_dict().items()}
+        assert {k: v.shape for k, v in converted[name].items()} == want, name
 
 
 def test_single_file_errors(built, tmp_path) -> None:

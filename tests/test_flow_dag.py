@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # template -> (preset, the export formats it writes, the diffusers pipeline class)
 JOBS = {
     "sd35-lora": ("tiny-sd3", ["diffusers", "lora", "lora_kohya"], "StableDiffusion3Pipeline"),
-    "sd35-medium-full": ("tiny-sd3", ["diffusers"], "StableDiffusion3Pipeline"),
+    "sd35-medium-full": ("tiny-sd3", ["diffusers", "single_file"], "StableDiffusion3Pipeline"),
     "flux-lora": ("tiny-flux", ["diffusers", "lora", "lora_kohya"], "FluxPipeline"),
 }
 PROMPTS = ["a red circle on a white background", "a blue square on a white background"]

@@ -165,18 +165,18 @@ def test_a_layer_without_a_kohya_name_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "change, says",
+    "preset, change, says",
     [
-        ({"train": {"snr_gamma": 5.0}}, "train.snr_gamma = 5.0 applies to the DDPM objective of SD and SDXL"),
-        ({"train": {"prediction_type": "epsilon"}}, "train.prediction_type = epsilon applies to the DDPM objective"),
-        ({"train": {"text_encoder": {"mode": "lora"}}}, "sdpipe does not train SD 3 / 3.5's text encoders yet"),
-        ({"export": {"single_file": True}}, "sdpipe writes no single-file SD 3 / 3.5 checkpoint yet"),
+        ("tiny-sd3", {"train": {"snr_gamma": 5.0}}, "train.snr_gamma = 5.0 applies to the DDPM objective of SD"),
+        ("tiny-sd3", {"train": {"prediction_type": "epsilon"}}, "train.prediction_type = epsilon applies to the"),
+        ("tiny-sd3", {"train": {"text_encoder": {"mode": "lora"}}}, "sdpipe does not train SD 3 / 3.5's text enc"),
+        ("tiny-flux", {"export": {"single_file": True}}, "sdpipe writes no single-file Flux.1 checkpoint yet"),
     ],
 )
-def test_settings_the_family_cannot_use_fail_before_any_work(saved, change, says):
+def test_settings_the_family_cannot_use_fail_before_any_work(saved, preset, change, says):
     from sdpipe import config, model_facts
 
-    base = {"model": {"pretrained": str(saved["tiny-sd3"]), "build_preset": None}, "export": {"single_file": False}}
+    base = {"model": {"pretrained": str(saved[preset]), "build_preset": None}, "export": {"single_file": False}}
     cfg = config.from_dict(config.merge(base, change))
     with pytest.raises(UserError, match=re.escape(says)):
         model_facts.check(cfg)

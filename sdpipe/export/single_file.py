@@ -5,6 +5,10 @@ Stability's SGM naming (same UNet/VAE names, text encoders under `conditioner.em
 from the UNet/VAE configs (levels, layers_per_block), so every size of these architectures converts, the tiny test
 presets included. SDXL's second text encoder is written in OpenCLIP layout (fused qkv, projection stored transposed),
 as in Stability's own checkpoints.
+
+SD 3 / 3.5 files hold the MMDiT (sdpipe.export.mmdit) and the VAE, as Stability ships sd3.5_medium.safetensors: the
+text encoders, which sdpipe does not train for this family, are separate files (ComfyUI's clip_l, clip_g and t5xxl)
+that users already have. Such a file is loaded with the text encoders of a diffusers folder passed alongside it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from sdpipe import io, weights
 from sdpipe.errors import UserError
+from sdpipe.export.mmdit import mmdit_state
 from sdpipe.models import families, loading
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -139,8 +144,12 @@ def rename(state: dict, modules: dict[str, str], what: str) -> dict:
     return out
 
 
-# The family's single_file_denoiser -> its diffusers -> original module map.
-DENOISER_MAPS = {"ldm_unet": unet_modules}
+def ldm_unet_state(unet) -> dict:
+    return rename(unet.state_dict(), unet_modules(unet.config), "UNet")
+
+
+# The family's single_file_denoiser -> the denoiser's weights under their original names.
+DENOISER_MAPS = {"ldm_unet": ldm_unet_state, "mmdit": mmdit_state}
 
 
 def vae_state(vae) -> dict:
@@ -177,8 +186,7 @@ def original_state_dict(unet, vae, encoders: list, family: str) -> dict:
     """All pipeline weights under their original-layout names (views of the models' tensors where the layout
     allows, so exporting does not double the memory)."""
     fam = families.named(family)
-    denoiser_map = DENOISER_MAPS[fam.single_file_denoiser or ""]
-    state = {UNET_PREFIX + k: v for k, v in rename(unet.state_dict(), denoiser_map(unet.config), "UNet").items()}
+    state = {UNET_PREFIX + k: v for k, v in DENOISER_MAPS[fam.single_file_denoiser or ""](unet).items()}
     state.update({VAE_PREFIX + k: v for k, v in vae_state(vae).items()})
     for layout, encoder in zip(fam.single_file_text, encoders):
         state.update(clip_state(encoder, fam.clip_prefix) if layout == "clip" else open_clip_state(encoder))
@@ -189,6 +197,8 @@ def _check_text_encoders(model: str, family: str, encoders: list) -> None:
     if families.named(family).single_file_denoiser not in DENOISER_MAPS:
         raise UserError(f"{model}: sdpipe has no single-file export for {families.named(family).title} models")
     layouts = families.named(family).single_file_text
+    if not layouts:  # the file holds no text encoder
+        return
     if len(encoders) != len(layouts):
         raise UserError(f"{model}: single-file export supports SDXL base (two text encoders), not the refiner")
     if layouts[0] == "clip" and len(layouts) == 1 and encoders[0].config.hidden_act != "quick_gelu":
@@ -205,7 +215,8 @@ def export_single_file(model: str | Path, out: str | Path, dtype: str = "fp16", 
         raise UserError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model, torch_dtype = str(model), DTYPES[dtype]  # loaded in the file's dtype: no fp32 copy of SDXL in memory
     family = loading.pipeline_family(model)
-    encoders = loading.load_text_stack(model, dtype=torch_dtype).encoders
+    in_file = families.named(family).single_file_text
+    encoders = loading.load_text_stack(model, dtype=torch_dtype).encoders if in_file else []
     _check_text_encoders(model, family, encoders)
     state = original_state_dict(
         loading.load_unet(model, dtype=torch_dtype), loading.load_vae(model, dtype=torch_dtype), encoders, family
@@ -243,7 +254,7 @@ def _check_keys(path: str | Path, root: Path, family: str) -> None:
     except (OSError, SafetensorError) as exc:
         raise UserError(f"cannot read {path} as a .safetensors checkpoint: {exc}") from None
     fam = families.named(family)
-    encoders = [meta_model(root, name, family) for name in fam.text_encoders]
+    encoders = [meta_model(root, name, family) for name in fam.text_encoders] if fam.single_file_text else []
     expected = original_state_dict(
         meta_model(root, fam.denoiser, family), meta_model(root, "vae", family), encoders, family
     )
@@ -261,13 +272,15 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
     `config=` is required: custom sizes (the tiny presets) are on no hub repo, and without it diffusers guesses a
     hub repo from the keys and downloads its configs. Only config and tokenizer files of `config_dir` are offered,
     so that nothing can come from its weights: diffusers loads a text encoder it does not recognise in the file
-    from the config folder instead.
+    from the config folder instead. The one exception is a family whose files hold no text encoder (SD 3): there
+    the config folder's text encoders are passed explicitly, as users pass theirs.
     """
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
     cls = families.named(family).pipeline()
     root, _ = loading.model_index(str(config_dir))
     _check_keys(path, root, family)
+    alongside = text_encoders_alongside(root, family, dtype)
     with tempfile.TemporaryDirectory() as configs:
         shutil.copytree(
             root,
@@ -276,7 +289,18 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
             ignore=shutil.ignore_patterns(*(f"*{s}" for s in weights.WEIGHT_SUFFIXES)),
         )
         try:
-            return cls.from_single_file(str(path), config=configs, local_files_only=True, torch_dtype=dtype)
+            return cls.from_single_file(
+                str(path), config=configs, local_files_only=True, torch_dtype=dtype, **alongside
+            )
         except (OSError, ValueError, SingleFileComponentError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(f"cannot load {path} as a single-file {family} checkpoint: {first}") from None
+
+
+def text_encoders_alongside(root: Path, family: str, dtype: torch.dtype) -> dict:
+    """The text encoders of diffusers folder `root`, by component name, for a family whose single files hold
+    none; nothing for the others."""
+    if families.named(family).single_file_text:
+        return {}
+    stack = loading.load_text_stack(str(root), dtype=dtype)
+    return dict(zip(stack.names, stack.encoders))

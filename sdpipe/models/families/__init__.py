@@ -79,9 +79,10 @@ class Family:
     embed: Callable[[TextStack, list[str]], dict[str, torch.Tensor]]
     # SDXL's micro-conditioning: each sample's original size, crop corner and target size ("time_ids").
     size_conditioning: bool
-    # Exports: the original single-file layout of the denoiser ("ldm_unet": export/single_file.py's map; None: no
-    # single-file export) and of each text encoder ("clip" is OpenAI CLIP's transformer under `clip_prefix`,
-    # "open_clip" OpenCLIP's), and kohya's LoRA key prefix per component.
+    # Exports: the original single-file layout of the denoiser ("ldm_unet" or "mmdit": export/single_file.py's
+    # DENOISER_MAPS; None: no single-file export) and of each text encoder ("clip" is OpenAI CLIP's transformer
+    # under `clip_prefix`, "open_clip" OpenCLIP's; none: the file holds no text encoder), and kohya's LoRA key
+    # prefix per component.
     single_file_denoiser: str | None
     single_file_text: tuple[str, ...]
     clip_prefix: str
