@@ -26,15 +26,18 @@ if TYPE_CHECKING:
 SMALL = (".json", ".txt", ".model")  # configs, shard indexes, tokenizer vocab/merges/sentencepiece
 
 
-def component_files(index: dict, repo_files: list[str], variant: str | None, weights: bool = True) -> list[str]:
-    """The files of the repo a job reads: model_index.json, every listed component's small files and, for the
-    components sdpipe loads, the weights of `variant` (safetensors, else .bin)."""
+def component_files(
+    index: dict, repo_files: list[str], variant: str | None, weights: bool | tuple[str, ...] = True
+) -> list[str]:
+    """The files of the repo a job reads: model_index.json, every listed component's small files and the weights
+    of `variant` (safetensors, else .bin) of the components in `weights` (True: every component sdpipe loads)."""
     components = [name for name, entry in index.items() if isinstance(entry, list) and entry[0] is not None]
+    loaded = families.components() if weights is True else weights or ()
     chosen = ["model_index.json"]
     for comp in components:
         inside = [f for f in repo_files if f.startswith(f"{comp}/") and f.count("/") == 1]
         chosen += [f for f in inside if f.endswith(SMALL)]
-        if weights and comp in families.components():
+        if comp in loaded:
             chosen += _weights(comp, inside, variant)
     return chosen
 
@@ -54,21 +57,20 @@ def _weights(comp: str, files: list[str], variant: str | None) -> list[str]:
     raise UserError(f"the repo has no .safetensors or .bin weights for {comp}")
 
 
-def plan(cfg: Config) -> list[tuple[str, str | None, bool]] | str:
-    """(hub repo, revision, with weights) to fetch for this config, or why there is nothing to fetch."""
+def plan(cfg: Config) -> list[tuple[str, str | None, bool | tuple[str, ...]]] | str:
+    """(hub repo, revision, the components whose weights it needs: True for all) to fetch for this config, or why
+    there is nothing to fetch. For a single file: the configs, and the weights of what the file lacks."""
     from sdpipe import single_file, weights
 
     m = cfg.model
     if m.build_preset:
         return f"nothing to fetch: model.build_preset = {m.build_preset} builds a random-init model at {m.pretrained}"
     if single_file.is_checkpoint(m.pretrained):
-        if m.single_file_config is None:
-            source = single_file.default_config(single_file.tensor_info(m.pretrained))
-        else:
-            source = m.single_file_config
+        info = single_file.tensor_info(m.pretrained)
+        source = m.single_file_config or single_file.default_config(info)
         if weights.is_local(source):
             return f"nothing to fetch: {m.pretrained} is a single file and {single_file.KEY} a local folder ({source})"
-        return [(source, None, False)]
+        return [(source, None, tuple(single_file.parts_not_in_file(info, single_file.family(m.pretrained, info))))]
     if weights.is_local(m.pretrained):
         if m.pretrained.endswith(weights.WEIGHT_SUFFIXES):
             raise UserError(f"model.pretrained = {m.pretrained}: no such file")
@@ -76,7 +78,9 @@ def plan(cfg: Config) -> list[tuple[str, str | None, bool]] | str:
     return [(m.pretrained, m.revision, True)]
 
 
-def fetch_repo(repo: str, revision: str | None, variant: str | None, with_weights: bool) -> tuple[Path, list[str]]:
+def fetch_repo(
+    repo: str, revision: str | None, variant: str | None, with_weights: bool | tuple[str, ...]
+) -> tuple[Path, list[str]]:
     """Download the job's files of `repo` into the HF cache; (snapshot folder, files)."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
@@ -114,11 +118,12 @@ def fetch_model(cfg: Config) -> list[str]:
     for repo, revision, with_weights in todo:
         folder, files = fetch_repo(repo, revision, cfg.model.variant, with_weights)
         sizes = {f: (folder / f).stat().st_size for f in files if (folder / f).is_file()}
-        what = (
-            f"weights{f' ({cfg.model.variant})' if cfg.model.variant else ''}, configs and tokenizers"
-            if with_weights
-            else "configs and tokenizers only (the weights are in the single file)"
-        )
+        if with_weights is True:
+            what = f"weights{f' ({cfg.model.variant})' if cfg.model.variant else ''}, configs and tokenizers"
+        elif with_weights:
+            what = f"configs, tokenizers and the weights the single file lacks ({', '.join(with_weights)})"
+        else:
+            what = "configs and tokenizers only (the weights are in the single file)"
         lines.append(f"{repo}{f'@{revision}' if revision else ''}: {what} in {folder}")
         lines += [f"  {f}  {_size(n)}" for f, n in sizes.items()]
         lines.append(f"total {_size(sum(sizes.values()))} in {len(sizes)} files")

@@ -10,6 +10,11 @@ names them (a local diffusers folder or a hub id); null takes diffusers' default
 A hub id must already be in the local Hugging Face cache (`sdpipe fetch-model` fetches just those files): nothing
 is downloaded here. Only the config folder's small text files are offered to diffusers, never its weights: for a
 component it does not find in the file, diffusers would silently load the config folder's weights instead.
+
+Files that hold the denoiser alone, or the denoiser and VAE, are how SD 3.5 and Flux ship (Stability's
+sd3.5_medium.safetensors, BFL's flux1-dev.safetensors; ComfyUI loads the text encoders and VAE beside them). For
+those, the components diffusers does not find in the file are loaded, explicitly and said in the log, from the
+config folder's weights; their weight hashes then key the converted folder as well.
 """
 
 from __future__ import annotations
@@ -110,12 +115,16 @@ def tensor_info(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items() if hasattr(v, "shape")}
 
 
+DENOISER_PREFIX = "model.diffusion_model."
+
+
 def family(path: str | Path, info: dict) -> str:
-    """The family's name ("sdxl" or "sd") from the checkpoint's key names (the original SGM / CompVis layouts), or a
-    UserError that says what the file is instead."""
+    """The family's name from the checkpoint's key names (the original CompVis / SGM / MMDiT / BFL layouts), or a
+    UserError that says what the file is instead. A family's key prefixes may sit under `model.diffusion_model.`
+    (files holding more than the denoiser) or not (BFL's transformer-only files)."""
     from sdpipe.models import families
 
-    has = lambda prefix: any(k.startswith(prefix) for k in info)
+    has = lambda prefix: any(k.startswith(prefix) or k.startswith(DENOISER_PREFIX + prefix) for k in info)
     unet_in = info.get("model.diffusion_model.input_blocks.0.0.weight")
     if unet_in and len(unet_in[0]) == 4 and unet_in[0][1] != 4:
         raise UserError(
@@ -132,8 +141,8 @@ def family(path: str | Path, info: dict) -> str:
             f"{path} is a LoRA file, not a base model; model.pretrained must be the full checkpoint it was trained on"
         )
     raise UserError(
-        f"{path} is not an SD 1.x/2.x or SDXL checkpoint (no model.diffusion_model. and "
-        f"cond_stage_model. or conditioner. keys; {len(info)} tensors)"
+        f"{path} is not a checkpoint of a family sdpipe trains ({', '.join(f.title for f in families.registered())}): "
+        f"none of their original key layouts fits its {len(info)} tensors"
     )
 
 
@@ -202,35 +211,76 @@ def as_folder(path: str | Path) -> Path:
     fam = family(path, info)
     root = config_folder(path, config_source(info), fam)
     memo = weights.HashMemo(s.cache_dir / "weight-hashes.json")
-    configs = config_files(root)
-    name = converted_name(memo.file_hash(path), [(str(p.relative_to(root)), memo.file_hash(p)) for p in configs])
+    configs, beside = config_files(root), parts_not_in_file(info, fam)
+    keyed = configs + weight_files(root, beside, path, config_source(info))
+    name = converted_name(memo.file_hash(path), [(str(p.relative_to(root)), memo.file_hash(p)) for p in keyed])
     out = s.cache_dir / "base-models" / name
     if not (out / "model_index.json").is_file():
-        convert(path, fam, root, configs, out, _file_dtype(info))
+        convert(path, fam, root, configs, out, _file_dtype(info), beside)
     _converted[ident] = out
     return out
 
 
 def _file_dtype(info: dict) -> str:
-    """The UNet's dtype in the file: the converted folder keeps it (an fp16 SDXL file stays 7 GB, not 14)."""
-    unet = [dtype for k, (_, dtype) in info.items() if k.startswith("model.diffusion_model.")]
-    return max(set(unet), key=unet.count) if unet else "float32"
+    """The denoiser's dtype in the file: the converted folder keeps it (an fp16 SDXL file stays 7 GB, not 14). A
+    file without the prefix holds the denoiser alone."""
+    denoiser = [dtype for k, (_, dtype) in info.items() if k.startswith(DENOISER_PREFIX)]
+    denoiser = denoiser or [dtype for _, dtype in info.values()]
+    return max(set(denoiser), key=denoiser.count) if denoiser else "float32"
 
 
-def convert(path: Path, fam: str, root: Path, configs: list[Path], out: Path, dtype: str) -> Path:
-    """from_single_file(path) with `root`'s config files, saved as a diffusers folder at `out`. Built in a temporary
-    folder beside it and renamed into place, so a reader never sees half a model; if another process finished
-    the same conversion first, its folder is kept."""
+def parts_not_in_file(info: dict, fam: str) -> list[str]:
+    """The pipeline's VAE and text encoders that diffusers' from_single_file does not find in the file, by the same
+    tests it applies (names only)."""
+    import transformers
+    from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, is_clip_model_in_single_file, is_t5_in_single_file
+
+    from sdpipe.models import families
+
+    keys = dict.fromkeys(info)
+    missing = [] if any(k.startswith(tuple(LDM_VAE_KEYS)) for k in info) else ["vae"]
+    for part in families.named(fam).text_parts:
+        encoder = getattr(transformers, part.encoder_class)
+        if not (is_clip_model_in_single_file(encoder, keys) or is_t5_in_single_file(keys)):
+            missing.append(part.encoder)
+    return missing
+
+
+def weight_files(root: Path, parts: list[str], path: Path, source: str) -> list[Path]:
+    """The weight files of `parts` in config folder `root`; a UserError that says what to fetch when one has none."""
+    from sdpipe import weights
+
+    found = []
+    for part in parts:
+        files = sorted(p for p in (root / part).glob("*") if p.suffix in weights.WEIGHT_SUFFIXES)
+        if not files:
+            raise UserError(
+                f"{path} holds no {', '.join(parts)}; they are taken from {source} ({KEY}), which has no "
+                f"weights for {part}: run `sdpipe fetch-model` where there is internet (it fetches them), or set "
+                f"{KEY} to a local diffusers folder that has them"
+            )
+        found += files
+    return found
+
+
+def convert(
+    path: Path, fam: str, root: Path, configs: list[Path], out: Path, dtype: str, beside: list[str] = ()
+) -> Path:
+    """from_single_file(path) with `root`'s config files and its weights of the `beside` components, saved as a
+    diffusers folder at `out`. Built in a temporary folder beside it and renamed into place, so a reader never sees
+    half a model; if another process finished the same conversion first, its folder is kept."""
     import logging
 
     import torch
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
-    from sdpipe.models import families
+    from sdpipe.models import families, loading
 
-    logging.getLogger(__name__).info(
-        "converting single-file %s checkpoint %s to a diffusers folder at %s (once)", fam, path, out
-    )
+    log = logging.getLogger(__name__)
+    log.info("converting single-file %s checkpoint %s to a diffusers folder at %s (once)", fam, path, out)
+    if beside:
+        log.info("%s holds no %s: taken from %s", path.name, ", ".join(beside), root)
+    parts = loading.load_components(str(root), list(beside), getattr(torch, dtype)) if beside else {}
     cls = families.named(fam).pipeline()
     out.parent.mkdir(parents=True, exist_ok=True)
     with (
@@ -243,7 +293,7 @@ def convert(path: Path, fam: str, root: Path, configs: list[Path], out: Path, dt
             shutil.copyfile(p, dest)
         try:
             pipe = cls.from_single_file(
-                str(path), config=config_copy, local_files_only=True, torch_dtype=getattr(torch, dtype)
+                str(path), config=config_copy, local_files_only=True, torch_dtype=getattr(torch, dtype), **parts
             )
         except (OSError, ValueError, KeyError, RuntimeError, SingleFileComponentError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -140,3 +140,24 @@ def test_the_command_prints_what_it_fetched(hub, tiny_model, tmp_path) -> None:
     assert Path(hub.env["HF_HUB_CACHE"], "models--someone--tiny-sd", "snapshots").is_dir()
     failed = run("--set", "model.pretrained=someone/missing")
     assert failed.returncode == 2 and failed.stderr.count("\n") == 1 and "not found on the Hub" in failed.stderr
+
+
+def test_an_sd35_file_fetches_the_text_encoders_it_lacks_and_no_other_weights(hub, tmp_path, monkeypatch) -> None:
+    """Stability's sd3.5 files hold the MMDiT and the VAE: fetch-model brings the configs and the three text
+    encoders' weights of model.single_file_config, and the conversion then runs offline."""
+    from huggingface_hub import constants
+
+    from sdpipe.export.single_file import export_single_file
+    from sdpipe.models import presets
+
+    folder = presets.build_and_save("tiny-sd3", tmp_path / "tiny-sd3", seed=0)
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    hub.add("someone/tiny-sd35", {f: b for f, b in files.items() if not f.endswith(owned.MARKER)})
+    single = export_single_file(folder, tmp_path / "sd3.5_tiny.safetensors", dtype="fp32")
+    lines = fetch_model(_cfg(tmp_path, single, single_file_config="someone/tiny-sd35"))
+    fetched = {f.split("/")[0] for f in hub.downloaded() if f.endswith(".safetensors")}
+    assert fetched == {"text_encoder", "text_encoder_2", "text_encoder_3"}, "no transformer or VAE weights"
+    assert "the weights the single file lacks (text_encoder, text_encoder_2, text_encoder_3)" in lines[0]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    got, want = loading.load_unet(str(single)).state_dict(), loading.load_unet(str(folder)).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items())

@@ -300,7 +300,5 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
 def text_encoders_alongside(root: Path, family: str, dtype: torch.dtype) -> dict:
     """The text encoders of diffusers folder `root`, by component name, for a family whose single files hold
     none; nothing for the others."""
-    if families.named(family).single_file_text:
-        return {}
-    stack = loading.load_text_stack(str(root), dtype=dtype)
-    return dict(zip(stack.names, stack.encoders))
+    fam = families.named(family)
+    return {} if fam.single_file_text else loading.load_components(str(root), list(fam.text_encoders), dtype)

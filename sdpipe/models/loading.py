@@ -192,3 +192,13 @@ def load_text_stack(
     if not encoders:
         text_component_names(pretrained, revision)  # raises the UserError that explains it
     return TextStack(family.name, tokenizers, encoders, dtype=dtype, device=device, names=names)
+
+
+def load_components(pretrained: str, names: list[str], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Pipeline components by name ("vae" and text encoders), frozen on the CPU: what a single file lacks, taken
+    from a diffusers folder beside it."""
+    out: dict[str, Any] = {"vae": load_vae(pretrained, dtype=dtype)} if "vae" in names else {}
+    if set(names) - {"vae"}:
+        stack = load_text_stack(pretrained, dtype=dtype)
+        out |= {name: encoder for name, encoder in zip(stack.names, stack.encoders) if name in names}
+    return out

@@ -61,7 +61,9 @@ class Family:
     # Detection: from a pipeline's model_index.json, a denoiser's config, and a single file's key names.
     detects: Callable[[dict], bool]
     config_matches: Callable[[dict], bool]
-    single_file_keys: tuple[str, ...]  # key prefixes an original-layout file of this family has, all of them
+    # Key prefixes an original-layout file of this family has, all of them; each may sit under
+    # `model.diffusion_model.` (sdpipe.single_file.family)
+    single_file_keys: tuple[str, ...]
     pipeline_class: str  # the pipeline that renders it: a diffusers class name, or "module:Class" for one elsewhere
     # from_pretrained arguments that keep rendering plain and comparable across runs: no safety checker (SD), no
     # invisible watermark (SDXL; it alters pixels, and needs an optional package).
