@@ -16,6 +16,7 @@ from sdpipe.errors import UserError
 from sdpipe.export.single_file import export_single_file
 from sdpipe.models import loading, presets
 from tests.conftest import small_config
+from tests.test_single_file_base import _same
 
 SD3_TEXT = ["text_encoder", "text_encoder_2", "text_encoder_3"]
 
@@ -40,12 +41,6 @@ def _configure(tmp: Path, configs: Path) -> None:
     raw = small_config(tmp, tmp / "raw", tmp / "unused")
     raw["model"]["single_file_config"] = str(configs)
     config.from_dict(raw)  # loading a config tells weights.resolve where conversions go
-
-
-def _same(got: torch.nn.Module, want: torch.nn.Module, what: str) -> None:
-    a, b = got.state_dict(), want.state_dict()
-    assert a.keys() == b.keys(), what
-    assert all(torch.equal(a[k], b[k]) for k in b), f"{what}: weights differ"
 
 
 @pytest.mark.parametrize("holds", ["transformer and VAE", "transformer only"])
