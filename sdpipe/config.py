@@ -32,9 +32,16 @@ Gpus = int | Literal["auto"]
 
 
 @dataclass(frozen=True)
+class MasksConfig:
+    source: str
+    suffix: str
+
+
+@dataclass(frozen=True)
 class DataConfig:
     raw_dir: str
     caption_extensions: list[str]
+    masks: MasksConfig
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,11 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class MaskedLossConfig:
+    unmasked_weight: float
+
+
+@dataclass(frozen=True)
 class EmaConfig:
     enabled: bool
     decay: float
@@ -209,6 +221,7 @@ class TrainConfig:
     tracker: str
     tracker_project: str
     validation: ValidationConfig
+    masked_loss: MaskedLossConfig
     ema: EmaConfig
     lora: LoraConfig
     text_encoder: TextEncoderConfig

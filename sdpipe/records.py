@@ -80,6 +80,8 @@ class LatentItem(TypedDict):
     text_key: str
     latent_key: str
     flip_key: str | None  # the mirrored image's latent (latents.flip)
+    mask_key: str | None  # its loss mask in the latent store (data.masks), and the mirrored one's
+    flip_mask_key: str | None
     original_size: list[int]  # (h, w): SDXL's size conditioning
     crop_top_left: list[int]
     flip_crop_top_left: list[int]

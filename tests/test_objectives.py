@@ -49,7 +49,7 @@ def test_a_denoiser_that_predicts_the_target_has_zero_loss(prediction):
     draws = {"noise": noise, "timesteps": torch.tensor([0, 1])}
     tgt = fam.objective.target(SCHEDULER, latents, noise, draws["timesteps"], prediction)
     noisy = fam.objective.noisy(SCHEDULER, latents, noise, draws["timesteps"])
-    t = SimpleNamespace(input_perturbation=0.0, snr_gamma=None)
+    t = SimpleNamespace(input_perturbation=0.0, snr_gamma=None, masked_loss=SimpleNamespace(unmasked_weight=0.0))
 
     def forward(offset):
         def call(x, steps, encoder_hidden_states, added_cond_kwargs):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from sdpipe import hashing
 from sdpipe.errors import UserError
+from sdpipe.latents import masks
 from sdpipe.preprocess import Preprocess, crop_box
 
 if TYPE_CHECKING:
@@ -39,11 +40,13 @@ def plan(
     captions: dict[str, dict],
     model: dict,
     file_of: Callable[[dict], str],
+    mask_origin: Callable[[dict], dict] | None = None,
 ):
     """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in.
 
-    `lat` is the latents section, `background` prepare.alpha_background, `model` what describe_model found, and
-    `file_of` where a manifest row's image is."""
+    `lat` is the latents section, `background` prepare.alpha_background, `model` what describe_model found,
+    `file_of` where a manifest row's image is, and `mask_origin` where its loss mask comes from (None: no masks;
+    sdpipe.latents.masks). Mask jobs ("kind": "mask") are listed with the image jobs: both go to the latent store."""
     items, images, texts, failed = [], {}, {}, []
     # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
     texts[text_key("", model, lat.dtype)] = {"kind": "text", "key": text_key("", model, lat.dtype), "caption": ""}
@@ -63,8 +66,11 @@ def plan(
             "caption": caption,
             "text_key": caption_key,
             "flip_key": None,
+            "mask_key": None,
+            "flip_mask_key": None,
             "original_size": [row["height"], row["width"]],
         }  # SDXL's size conditioning is (h, w)
+        where = mask_origin(row) if mask_origin else None
         for flip in [False, True] if lat.flip else [False]:
             p = Preprocess(
                 bucket=tuple(row["bucket"]),
@@ -91,5 +97,24 @@ def plan(
                 "file": file_of(row),
                 "pre": p.as_key(),
             }
+            if where is not None:
+                job = _mask_job(row, p.as_key(), where, model["vae_downsample"], file_of(row))
+                item["flip_mask_key" if flip else "mask_key"] = job["key"]
+                images[job["key"]] = job
         items.append(item)
     return items, list(images.values()), list(texts.values()), failed
+
+
+def _mask_job(row: dict, pre: dict, where: dict, downsample: int, file: str) -> dict:
+    return {
+        "kind": "mask",
+        "key": masks.key(row["id"], pre, where, downsample),
+        "id": row["id"],
+        "path": row["path"],
+        "file": file,
+        "mask_file": where["file"],
+        "source": where["source"],
+        "pre": pre,
+        "size": [row["width"], row["height"]],
+        "downsample": downsample,
+    }

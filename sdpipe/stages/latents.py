@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from sdpipe import io, latent_index, model_facts, parallel
 from sdpipe.cache_store import ShardStore
 from sdpipe.errors import UserError
+from sdpipe.latents import masks
 from sdpipe.latents.plan import check_buckets, plan, text_key
 from sdpipe.records import LatentIndex
 from sdpipe.stages import image_file, read_upstream
@@ -32,6 +33,7 @@ READS = (
     "model",
     "prepare.alpha_background",
     "prepare.max_pixels",
+    "data.masks",
 )
 
 
@@ -70,8 +72,10 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     model = describe_model(cfg)
     check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
     file_of = lambda row: image_file(cfg, row)
+    m = cfg.data.masks
+    mask_origin = None if m.source == "none" else lambda row: masks.origin(m.source, Path(file_of(row)), m.suffix)
     items, image_jobs, text_jobs, failed = plan(
-        cfg.latents, tuple(cfg.prepare.alpha_background), rows, captions, model, file_of
+        cfg.latents, tuple(cfg.prepare.alpha_background), rows, captions, model, file_of, mask_origin
     )
 
     root = Path(cfg.cache_dir)
@@ -82,6 +86,10 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     todo = [j for j in image_jobs if j["key"] not in have["image"]] + [
         j for j in text_jobs if j["key"] not in have["text"]
     ]
+    mask_jobs = [j for j in todo if j["kind"] == "mask"]
+    todo = [j for j in todo if j["kind"] != "mask"]
+    failed += masks.write(stores["image"], mask_jobs)
+    mask_summary = _mask_summary(cfg, image_jobs, mask_jobs)
     gpus = parallel.resolve_gpus(cfg.latents.gpus)
     devices = parallel.devices_for(gpus, cfg.latents.cpu_processes)
     log.info(
@@ -89,7 +97,7 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
         sum(j["kind"] == "image" for j in todo),
         sum(j["kind"] == "text" for j in todo),
         ",".join(devices),
-        len(image_jobs) - sum(j["kind"] == "image" for j in todo),
+        sum(j["kind"] == "image" for j in image_jobs) - sum(j["kind"] == "image" for j in todo),
         len(text_jobs) - sum(j["kind"] == "text" for j in todo),
     )
 
@@ -101,7 +109,10 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     seconds = time.perf_counter() - start
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
-    return _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
+    summary = _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
+    if mask_summary:
+        io.write_json(outputs["summary"], summary | {"masks": mask_summary})
+    return summary
 
 
 def _steady_rate(results: list[dict]) -> float | None:
@@ -135,7 +146,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
     present = lambda it: (
         it["latent_key"] in wheres["image"]
         and it["text_key"] in wheres["text"]
-        and (it["flip_key"] is None or it["flip_key"] in wheres["image"])
+        and all(it[k] is None or it[k] in wheres["image"] for k in ("flip_key", "mask_key", "flip_mask_key"))
     )
     kept = [it for it in items if it["path"] not in bad_paths and present(it)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
@@ -177,6 +188,24 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
     )
     _say_what_failed(failed, outputs["index"], none_kept=not kept)
     return summary
+
+
+def _mask_summary(cfg: Config, image_jobs: list[dict], computed: list[dict]) -> dict | None:
+    """The mask source, how many masks were computed this run and, for mask files, how many images have none
+    (they train on every pixel)."""
+    if cfg.data.masks.source == "none":
+        return None
+    jobs = [j for j in image_jobs if j["kind"] == "mask"]
+    out = {"source": cfg.data.masks.source, "masks": len(jobs), "computed": len(computed)}
+    if cfg.data.masks.source == "file":
+        out["images_without_a_mask_file"] = len({j["id"] for j in jobs if j["mask_file"] is None})
+        if out["images_without_a_mask_file"]:
+            log.warning(
+                "latents: %d image(s) have no mask file (<stem>%s.png beside them) and train on every pixel",
+                out["images_without_a_mask_file"],
+                cfg.data.masks.suffix,
+            )
+    return out
 
 
 def _say_what_failed(failed: list[dict], index, none_kept: bool) -> None:

@@ -145,6 +145,12 @@ def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
         raise UserError(f"data.raw_dir: {cfg.data.raw_dir} is a file, not a folder; {hint}")
     skipped: list[str] = []
     images, sidecars = scan(raw, cfg.data.caption_extensions, skipped)
+    if cfg.data.masks.source == "file":  # loss masks beside their images (the latents stage reads them)
+        from sdpipe.latents.masks import is_mask_file
+
+        found = [rel for rel in images if is_mask_file(rel, cfg.data.masks.suffix)]
+        images = [rel for rel in images if not is_mask_file(rel, cfg.data.masks.suffix)]
+        log.info("%d mask files (data.masks.suffix %s) set aside from the images", len(found), cfg.data.masks.suffix)
     if skipped:
         log.info(
             "%d hidden or special entries skipped (names starting with '.', FIFOs, broken links): %s%s",

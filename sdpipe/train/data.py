@@ -87,6 +87,11 @@ class LatentData:
             out[field] = torch.stack([t[field] for t in texts]).float()
         if self.family.size_conditioning:
             out["time_ids"] = self._size_ids(items, flips)
+        if items[0].get("mask_key"):  # data.masks: every item has one (all ones where the image has none)
+            masks = [
+                it["flip_mask_key"] if flip and it["flip_key"] else it["mask_key"] for it, flip in zip(items, flips)
+            ]
+            out["mask"] = torch.stack([self._tensor("latent", k, "mask") for k in masks]).float()
         return out
 
     def _size_ids(self, items: list, flips: list[bool]) -> torch.Tensor:

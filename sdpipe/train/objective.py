@@ -68,8 +68,9 @@ def sample_losses(
     """The training objective for one batch: per-sample losses [B] of `forward` (the UNet, compiled or not).
 
     The family says how its denoiser is called and what it is trained to predict (models/families/); `cond` holds
-    the text states ("hidden"; SDXL also "pooled" and "time_ids"); `t` is the train config; `autocast` a context
-    factory (the accelerator's). The benchmark's parity check calls this very function.
+    the text states ("hidden"; SDXL also "pooled" and "time_ids") and, with data.masks, each sample's loss mask
+    ("mask" [B, 1, H, W]); `t` is the train config; `autocast` a context factory (the accelerator's). The
+    benchmark's parity check calls this very function.
     """
     objective = family.objective
     noisy = noisy_input(objective, scheduler, latents, draws, t.input_perturbation)
@@ -77,6 +78,16 @@ def sample_losses(
     with autocast():
         pred = objective.output(family.predict(forward, noisy, steps, cond), noisy, scheduler, steps)
     tgt = objective.target(scheduler, latents, draws["noise"], steps, prediction_type)
-    mse = (pred.float() - tgt.float()).pow(2).mean(dim=(1, 2, 3))
+    mse = masked_mean((pred.float() - tgt.float()).pow(2), cond.get("mask"), t.masked_loss.unmasked_weight)
     weight = objective.weight(scheduler, steps, prediction_type, t.snr_gamma)
     return mse if weight is None else mse * weight
+
+
+def masked_mean(err: torch.Tensor, mask: torch.Tensor | None, unmasked_weight: float) -> torch.Tensor:
+    """Per-sample mean of `err` [B, C, H, W], weighted by the mask [B, 1, H, W] (1 inside, `unmasked_weight` outside):
+    the weighted mean, so a sample's loss keeps its scale whatever its mask's area."""
+    if mask is None:
+        return err.mean(dim=(1, 2, 3))
+    weight = mask + unmasked_weight * (1 - mask)
+    total = (weight.sum(dim=(1, 2, 3)) * err.shape[1]).clamp_min(1e-8)  # an all-black mask: loss 0, not NaN
+    return (err * weight).sum(dim=(1, 2, 3)) / total
