@@ -111,6 +111,15 @@ class CaptionConfig:
 
 
 @dataclass(frozen=True)
+class TagsConfig:
+    shuffle: bool
+    keep_first: int
+    dropout: float
+    separator: str
+    variants: int
+
+
+@dataclass(frozen=True)
 class LatentsConfig:
     dtype: str
     batch_size: int | Literal["auto"]
@@ -118,6 +127,7 @@ class LatentsConfig:
     crop: str
     interpolation: str
     flip: bool
+    tags: TagsConfig
     gpus: Gpus
     loader_threads: int
     cpu_processes: int

@@ -78,6 +78,8 @@ class LatentItem(TypedDict):
     repeats: int
     caption: str
     text_key: str
+    text_keys: list[str] | None  # latents.tags: the caption's shuffled variants (text_key is the first)
+    caption_variants: list[str] | None
     latent_key: str
     flip_key: str | None  # the mirrored image's latent (latents.flip)
     mask_key: str | None  # its loss mask in the latent store (data.masks), and the mirrored one's

@@ -1,16 +1,12 @@
 """Loss masks (data.masks, train.masked_loss): the loss ignores what the mask hides, the mask follows its image's
 crop and flip onto the latent grid, masks join the cache without re-encoding a latent, and a template job trains
-with mask files through the whole DAG."""
+with mask files through the whole DAG (tests/test_features_dag.py)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-import pytest
 import torch
-import yaml
 from PIL import Image
 
 from sdpipe import config, io
@@ -21,7 +17,6 @@ from sdpipe.train.data import LatentData
 from sdpipe.train.objective import masked_mean
 from tests.conftest import small_config
 from tests.test_latents import make_inputs
-from tests.workflow_helpers import TEMPLATE_FAST, run
 
 
 def test_the_loss_and_its_gradient_are_zero_outside_the_mask():
@@ -104,38 +99,3 @@ def test_masks_join_the_cache_without_re_encoding_a_latent(tmp_path, tiny_model)
     batch = data.batch([0, 2], flips=[False, True], drop_caption=[False, False])  # one bucket
     assert batch["mask"].shape == (2, 1, *batch["latents"].shape[-2:])
     assert torch.equal(batch["mask"], torch.ones_like(batch["mask"]))  # the test images are opaque
-
-
-@pytest.mark.slow
-def test_a_template_job_trains_with_mask_files_through_the_whole_dag(tmp_path, demo_source):
-    from sdpipe.models import presets
-
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    sources = sorted(demo_source.rglob("*.png"))[:6]
-    for n, image in enumerate(sources):
-        (photos / image.name).write_bytes(image.read_bytes())
-        if n % 2 == 0:  # half the images have a mask: their left half
-            with Image.open(image) as img:
-                drawn = Image.new("L", img.size, 0)
-                drawn.paste(255, (0, 0, img.width // 2, img.height))
-            drawn.save(photos / f"{image.stem}_mask.png")
-    model = presets.build_and_save("tiny", tmp_path / "models" / "tiny", seed=0)
-    project = tmp_path / "job"
-    init = [sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora", "--images", str(photos)]
-    run([*init, "--model", str(model), "--prompt", "a red circle"], tmp_path)
-    fast = TEMPLATE_FAST | {"data": {"masks": {"source": "file"}}}
-    (project / "fast.yaml").write_text(yaml.safe_dump(fast))
-    configs = ["--configfile", "config/config.yaml", "fast.yaml"]
-    run(["snakemake", "--profile", "runpod", "--cores", "2", *configs], project)
-
-    manifest = [json.loads(line) for line in (project / "results/prepare/manifest.jsonl").read_text().splitlines()]
-    assert sorted(row["path"] for row in manifest) == sorted(p.name for p in sources), "masks are not images"
-    summary = json.loads((project / "results/latents/summary.json").read_text())
-    assert summary["masks"]["images_without_a_mask_file"] == 3
-    index = json.loads((project / "results/latents/index.json").read_text())
-    assert all(item["mask_key"] for item in index["items"])
-    final = json.loads((project / "results/train/final/final.json").read_text())
-    assert final["optimizer_steps"] == TEMPLATE_FAST["train"]["max_steps"]
-    export = json.loads((project / "results/export/summary.json").read_text())
-    assert all(result["verified"] for result in export["formats"].values())

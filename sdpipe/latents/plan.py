@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from sdpipe import hashing
 from sdpipe.errors import UserError
-from sdpipe.latents import masks
+from sdpipe.latents import masks, tags
 from sdpipe.preprocess import Preprocess, crop_box
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ def plan(
         if not caption:
             failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
             continue
-        caption_key = text_key(caption, model, lat.dtype)
-        texts[caption_key] = {"kind": "text", "key": caption_key, "caption": caption}
+        shuffled = tags.variants(caption, lat.tags)
+        keys = [text_key(text, model, lat.dtype) for text in shuffled]
+        texts |= {key: {"kind": "text", "key": key, "caption": text} for key, text in zip(keys, shuffled)}
+        caption_key = keys[0]
         item = {
             "id": row["id"],
             "path": row["path"],
@@ -65,6 +67,8 @@ def plan(
             "repeats": row["repeats"],
             "caption": caption,
             "text_key": caption_key,
+            "text_keys": keys if len(shuffled) > 1 else None,  # latents.tags: one drawn per sample and epoch
+            "caption_variants": shuffled if len(shuffled) > 1 else None,
             "flip_key": None,
             "mask_key": None,
             "flip_mask_key": None,

@@ -145,7 +145,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
     bad_paths = {f["path"] for f in failed}
     present = lambda it: (
         it["latent_key"] in wheres["image"]
-        and it["text_key"] in wheres["text"]
+        and all(key in wheres["text"] for key in it["text_keys"] or [it["text_key"]])
         and all(it[k] is None or it[k] in wheres["image"] for k in ("flip_key", "mask_key", "flip_mask_key"))
     )
     kept = [it for it in items if it["path"] not in bad_paths and present(it)]
@@ -175,7 +175,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
         "dtype": cfg.latents.dtype,
         "flip": cfg.latents.flip,
     }
-    kept_text = {it["text_key"] for it in kept}
+    kept_text = {key for it in kept for key in it["text_keys"] or [it["text_key"]]}
     summary["text_encoded"] = len(kept_text & {j["key"] for j in todo if j["kind"] == "text"})
     summary["text_reused"] = len(kept_text) - summary["text_encoded"]
     io.write_json(outputs["summary"], summary)

@@ -47,9 +47,18 @@ class LatentData:
         self.family = families.named(model["family"])
         self.empty = {f: self._tensor("text", self.index["empty_text_key"], f) for f in self.family.text_fields}
 
-    def captions(self, samples: list[int], drop_caption: list[bool]) -> list[str]:
+    def captions(self, samples: list[int], drop_caption: list[bool], variants: list[int] | None = None) -> list[str]:
         """The caption text of each sample ("" where dropped), for a text encoder being trained."""
-        return ["" if drop else self.items[self.sample_items[s]]["caption"] for s, drop in zip(samples, drop_caption)]
+        items = [self.items[self.sample_items[s]] for s in samples]
+        chosen = variants or [0] * len(samples)
+        return [
+            "" if drop else (it.get("caption_variants") or [it["caption"]])[v]
+            for it, drop, v in zip(items, drop_caption, chosen)
+        ]
+
+    def variant_counts(self, samples: list[int]) -> list[int]:
+        """How many cached caption variants each sample has (latents.tags; 1 without)."""
+        return [len(self.items[self.sample_items[s]].get("text_keys") or [None]) for s in samples]
 
     def latent_shape(self, sample: int) -> tuple[int, int, int]:
         """(C, H, W) of a sample's latent, from its bucket and the VAE's downsampling."""
@@ -70,9 +79,13 @@ class LatentData:
             self._handles[shard] = safe_open(str(shard), framework="pt")
         return self._handles[shard].get_tensor(f"{key}{SEP}{field}")
 
-    def batch(self, samples: list[int], flips: list[bool], drop_caption: list[bool]) -> dict:
-        """Scaled latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices."""
+    def batch(
+        self, samples: list[int], flips: list[bool], drop_caption: list[bool], variants: list[int] | None = None
+    ) -> dict:
+        """Scaled latents [B,C,H,W], text hidden states [B,77,D] (and pooled, SDXL) for these sample indices;
+        `variants` picks each sample's caption variant (latents.tags)."""
         items = [self.items[self.sample_items[s]] for s in samples]
+        text_keys = [(it.get("text_keys") or [it["text_key"]])[v] for it, v in zip(items, variants or [0] * len(items))]
         keys = [it["flip_key"] if flip and it["flip_key"] else it["latent_key"] for it, flip in zip(items, flips)]
         raw = torch.stack([self._tensor("latent", k, "latent") for k in keys]).float()
         out = {
@@ -80,8 +93,8 @@ class LatentData:
             "weight": torch.tensor([self.loss_weight[self.sample_items[s]] for s in samples]),
         }
         texts = [
-            self.empty if drop else {f: self._tensor("text", it["text_key"], f) for f in self.empty}
-            for it, drop in zip(items, drop_caption)
+            self.empty if drop else {f: self._tensor("text", key, f) for f in self.empty}
+            for key, drop in zip(text_keys, drop_caption)
         ]
         for field in self.empty:
             out[field] = torch.stack([t[field] for t in texts]).float()

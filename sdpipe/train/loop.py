@@ -298,7 +298,8 @@ def micro_step(
     batch["weight"][real:] = 0.0
     if run.text is not None:  # the text encoders train too: condition on their live output, not the cache
         with acc.autocast():
-            batch.update(run.text.embed(run.data.captions(indices, draws["drop_caption"].tolist())))
+            texts = run.data.captions(indices, draws["drop_caption"].tolist(), draws["variant"].tolist())
+            batch.update(run.text.embed(texts))
     losses = (
         objective.sample_losses(
             run.forward,
@@ -344,7 +345,9 @@ def host_batch(run: Run, indices: list[int], epoch: int) -> tuple[dict, dict]:
     shape = run.data.latent_shape(indices[0])
     timestep = lambda g: run.data.family.objective.timestep(g, run.noise_scheduler)
     draws = objective.draw(shape, gens, timestep, run.cfg.train)
-    batch = run.data.batch(indices, flips, draws["drop_caption"].tolist())
+    # After every other draw, so runs without caption variants draw exactly what they did before.
+    draws["variant"] = objective.variant(gens, run.data.variant_counts(indices))
+    batch = run.data.batch(indices, flips, draws["drop_caption"].tolist(), draws["variant"].tolist())
     if run.accelerator.device.type == "cuda":
         batch, draws = ({k: v.pin_memory() for k, v in part.items()} for part in (batch, draws))
     return batch, draws

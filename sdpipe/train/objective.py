@@ -47,6 +47,11 @@ def draw(
     return out
 
 
+def variant(gens: list[torch.Generator], counts: list[int]) -> torch.Tensor:
+    """Each sample's caption variant (latents.tags), from its generator; no draw where it has one."""
+    return torch.tensor([int(torch.randint(n, (1,), generator=g)) if n > 1 else 0 for g, n in zip(gens, counts)])
+
+
 def noisy_input(objective: Objective, scheduler, latents: torch.Tensor, draws: dict, perturbation: float):
     noise = draws["noise"]
     if perturbation:  # input perturbation (Ning et al. 2023): noise the input slightly differently from the target

@@ -1,0 +1,59 @@
+"""Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
+sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos and tag captions shuffled into
+cached variants. One run covers them all, to keep the suite's time."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.workflow_helpers import TEMPLATE_FAST, run
+
+pytestmark = pytest.mark.slow
+FEATURES = {
+    "data": {"masks": {"source": "file"}},
+    "latents": {"tags": {"shuffle": True, "keep_first": 1, "variants": 3}},
+}
+
+
+@pytest.fixture
+def photos(tmp_path, demo_source):
+    """Six demo photos; the even ones with a mask of their left half; each with a tag caption."""
+    out = tmp_path / "photos"
+    out.mkdir()
+    for n, image in enumerate(sorted(demo_source.rglob("*.png"))[:6]):
+        (out / image.name).write_bytes(image.read_bytes())
+        (out / f"{image.stem}.txt").write_text(f"sks shape, tag{n}, bright, flat colours, centred")
+        if n % 2 == 0:
+            with Image.open(image) as img:
+                drawn = Image.new("L", img.size, 0)
+                drawn.paste(255, (0, 0, img.width // 2, img.height))
+            drawn.save(out / f"{image.stem}_mask.png")
+    return out
+
+
+def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path, photos):
+    from sdpipe.models import presets
+
+    model = presets.build_and_save("tiny", tmp_path / "models" / "tiny", seed=0)
+    project = tmp_path / "job"
+    init = [sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora", "--images", str(photos)]
+    run([*init, "--model", str(model), "--prompt", "a red circle"], tmp_path)
+    (project / "fast.yaml").write_text(yaml.safe_dump(TEMPLATE_FAST | FEATURES))
+    configs = ["--configfile", "config/config.yaml", "fast.yaml"]
+    run(["snakemake", "--profile", "runpod", "--cores", "2", *configs], project)
+
+    read = lambda rel: json.loads((project / rel).read_text())
+    manifest = [json.loads(line) for line in (project / "results/prepare/manifest.jsonl").read_text().splitlines()]
+    assert len(manifest) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
+    assert read("results/latents/summary.json")["masks"]["images_without_a_mask_file"] == 3
+    items = read("results/latents/index.json")["items"]
+    assert all(item["mask_key"] for item in items)
+    for item in items:  # the first tag stays first in every cached variant
+        assert len(item["text_keys"]) == 3 and all(v.startswith("sks shape, ") for v in item["caption_variants"])
+    assert read("results/train/final/final.json")["optimizer_steps"] == TEMPLATE_FAST["train"]["max_steps"]
+    assert all(result["verified"] for result in read("results/export/summary.json")["formats"].values())
