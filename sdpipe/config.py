@@ -214,6 +214,7 @@ class TrainConfig:
     adam_beta2: float
     adam_weight_decay: float
     adam_epsilon: float
+    optimizer: str
     max_grad_norm: float | None
     mixed_precision: str
     gradient_checkpointing: bool
@@ -485,7 +486,9 @@ def check_user_config(cfg: Config) -> None:
         )
     _check_folders(cfg)
     from sdpipe import model_facts
+    from sdpipe.train import optimizers
 
+    optimizers.check_available(cfg.train.optimizer)
     model_facts.check(cfg)
 
 

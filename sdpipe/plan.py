@@ -22,8 +22,13 @@ if TYPE_CHECKING:
 # trades most of it for time; its factor here is a guess, not a measurement.
 # Each family holds its figure (Family.activation_gb_per_mp).
 CHECKPOINTING_FACTOR = 0.35
-# Bytes per UNet parameter: full fine-tune = fp32 weights, gradients and AdamW's two moments; LoRA = frozen weights.
-BYTES_PER_PARAM = {"full": 16, "lora": 4}
+# Bytes per UNet parameter: full fine-tune = fp32 weights and gradients plus the optimizer's state; LoRA = frozen
+# weights (the adapters' state is small).
+BYTES_PER_PARAM = {"full": 8, "lora": 4}
+# Optimizer state per trained parameter: AdamW's two fp32 moments, 8-bit AdamW's two uint8 ones (and a scale per
+# block: 27 % of AdamW's state on the tiny UNet, tests/test_optimizers.py), Prodigy's four fp32 buffers, Adafactor's
+# factored second moments (a row and a column per matrix: about nothing).
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "prodigy": 16, "adafactor": 0}
 
 
 def lines(cfg: Config) -> list[str]:
@@ -133,10 +138,17 @@ def _schedule(cfg: Config) -> str:
 
 
 def memory_gb(
-    family: str, unet_params: int, mode: str, per_device_batch: int, resolution: int, checkpointing: bool
+    family: str,
+    unet_params: int,
+    mode: str,
+    per_device_batch: int,
+    resolution: int,
+    checkpointing: bool,
+    optimizer: str = "adamw",
 ) -> tuple[float, float]:
     """(weights and optimizer state, activations) in GB per GPU, by the rule of thumb above."""
-    state = unet_params * BYTES_PER_PARAM[mode] / 1e9
+    per_param = BYTES_PER_PARAM[mode] + (OPTIMIZER_BYTES[optimizer] if mode == "full" else 0)
+    state = unet_params * per_param / 1e9
     acts = per_device_batch * resolution**2 / 1e6 * families.named(family).activation_gb_per_mp
     return state, acts * (CHECKPOINTING_FACTOR if checkpointing else 1.0)
 
@@ -157,6 +169,7 @@ def _memory(cfg: Config, denoiser: dict | None) -> str:
         t.per_device_batch_size,
         cfg.prepare.buckets.resolution,
         t.gradient_checkpointing,
+        t.optimizer,
     )
     return (
         f"memory per GPU: about {state + acts:.0f} GB ({params / 1e6:.0f}M {family.denoiser} parameters: "

@@ -1,6 +1,6 @@
 """Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
-sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos and tag captions shuffled into
-cached variants. One run covers them all, to keep the suite's time."""
+sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos, tag captions shuffled into
+cached variants and 8-bit AdamW. One run covers them all, to keep the suite's time."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import pytest
 import yaml
 from PIL import Image
 
+from sdpipe import config
 from tests.workflow_helpers import TEMPLATE_FAST, run
 
 pytestmark = pytest.mark.slow
 FEATURES = {
     "data": {"masks": {"source": "file"}},
     "latents": {"tags": {"shuffle": True, "keep_first": 1, "variants": 3}},
+    "train": {"optimizer": "adamw_8bit"},
 }
 
 
@@ -43,7 +45,7 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     project = tmp_path / "job"
     init = [sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora", "--images", str(photos)]
     run([*init, "--model", str(model), "--prompt", "a red circle"], tmp_path)
-    (project / "fast.yaml").write_text(yaml.safe_dump(TEMPLATE_FAST | FEATURES))
+    (project / "fast.yaml").write_text(yaml.safe_dump(config.merge(TEMPLATE_FAST, FEATURES)))
     configs = ["--configfile", "config/config.yaml", "fast.yaml"]
     run(["snakemake", "--profile", "runpod", "--cores", "2", *configs], project)
 
@@ -56,4 +58,5 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     for item in items:  # the first tag stays first in every cached variant
         assert len(item["text_keys"]) == 3 and all(v.startswith("sks shape, ") for v in item["caption_variants"])
     assert read("results/train/final/final.json")["optimizer_steps"] == TEMPLATE_FAST["train"]["max_steps"]
+    assert "optimizer: adamw_8bit" in (project / "results/train/config.yaml").read_text()
     assert all(result["verified"] for result in read("results/export/summary.json")["formats"].values())

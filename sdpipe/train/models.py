@@ -164,9 +164,10 @@ def build_text_stack(cfg: Config, device):
 
 
 def build_optimizer(cfg: Config, unet, text_encoders: list) -> torch.optim.Optimizer:
-    """AdamW over the UNet's trainable weights and, in a group with its own learning rate, the text encoders'.
-    Fused on GPUs and CPUs alike: one kernel per parameter group instead of a dozen ops per tensor (on the 2-core
-    CPU the demo's tiny step is about 10 % faster)."""
+    """train.optimizer (sdpipe/train/optimizers.py) over the UNet's trainable weights and, in a group with its own
+    learning rate, the text encoders'."""
+    from sdpipe.train import optimizers
+
     t = cfg.train
     groups: list[dict[str, Any]] = [{"params": trainable(unet)}]
     if text_encoders:
@@ -176,14 +177,7 @@ def build_optimizer(cfg: Config, unet, text_encoders: list) -> torch.optim.Optim
                 "lr": t.text_encoder.learning_rate or t.learning_rate,
             }
         )
-    return torch.optim.AdamW(
-        groups,
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.adam_weight_decay,
-        eps=t.adam_epsilon,
-        fused=True,
-    )
+    return optimizers.build(groups, t)
 
 
 def build_lr_scheduler(cfg: Config, optimizer, total_steps: int):
