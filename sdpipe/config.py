@@ -150,6 +150,9 @@ class ValidationConfig:
     steps: int
     guidance: float
     resolution: list[int] | None
+    heldout_every: int
+    heldout_timesteps: list[float]
+    heldout_images: int
 
 
 @dataclass(frozen=True)
@@ -511,6 +514,11 @@ def _check_combinations(cfg: Config) -> None:
             "config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "
             "fully trained text encoder, so its exports would not reproduce the trained model; set "
             "train.text_encoder.mode to lora or none (or train.mode to full)"
+        )
+    if cfg.train.validation.heldout_every and not cfg.prepare.eval_fraction:
+        raise UserError(
+            "config: train.validation.heldout_every needs held-out images: set prepare.eval_fraction above 0 "
+            "(e.g. 0.05), or train.validation.heldout_every: 0"
         )
     if cfg.dreambooth.enabled and not cfg.dreambooth.class_prompt.strip():
         raise UserError('config: dreambooth.enabled needs dreambooth.class_prompt (e.g. "a photo of a dog")')

@@ -80,6 +80,8 @@ PLOTS = [
     {"throughput": {"x": "step", "y": {"results/train/metrics.csv": "samples_per_s"}}},
     "results/evaluate/samples/grid.png",
 ]
+# train.validation.heldout_every: the held-out loss beside the training loss
+HELDOUT_PLOT = {"loss": {"x": "step", "y": {"results/train/metrics.csv": ["loss", "heldout_loss"]}}}
 
 
 def model_paths(cfg: Config) -> tuple[str | None, str | None]:
@@ -141,7 +143,8 @@ def render(cfg: Config, project: Path) -> dict:
             files = set().union(*(code_files(m, project) for m in roots)) if source.is_dir() else set()
             code = sorted(str(p.relative_to(project)) for p in files)
             stages[name] = stage_entry(name, stage, cfg, code)
-    return {"stages": stages, "plots": PLOTS}
+    plots = PLOTS + [HELDOUT_PLOT] if cfg.train.validation.heldout_every else PLOTS
+    return {"stages": stages, "plots": plots}
 
 
 def text(cfg: Config, project: Path) -> str:

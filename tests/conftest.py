@@ -58,3 +58,19 @@ def small_config(tmp: Path, raw: Path, model: Path, **sections) -> dict:
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     return cfg
+
+
+def cache_latents(tmp: Path, raw_cfg: dict) -> Path:
+    """prepare, caption and latents run by the real stages into `tmp` (m.jsonl, c.jsonl, index.json); the index."""
+    from sdpipe import config
+    from sdpipe.stages import caption, latents, prepare
+
+    cfg = config.from_dict(raw_cfg)
+    prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
+    caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
+    latents.run(
+        cfg,
+        {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
+        {"index": tmp / "index.json", "summary": tmp / "ls.json"},
+    )
+    return tmp / "index.json"

@@ -11,8 +11,8 @@ from PIL import Image
 
 from sdpipe import config, io
 from sdpipe.errors import UserError
-from sdpipe.stages import benchmark, caption, evaluate, export, latents, prepare, train
-from tests.conftest import small_config
+from sdpipe.stages import benchmark, evaluate, export, train
+from tests.conftest import cache_latents, small_config
 
 pytestmark = pytest.mark.slow
 TRAIN = {
@@ -42,14 +42,7 @@ def data(tmp_path_factory, demo_source, tiny_model):
     tmp = tmp_path_factory.mktemp("exp")
     raw = small_config(tmp, demo_source, tiny_model)
     raw["prepare"]["eval_fraction"] = 0.25
-    cfg = config.from_dict(raw)
-    prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
-    caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
-    latents.run(
-        cfg,
-        {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
-        {"index": tmp / "index.json", "summary": tmp / "ls.json"},
-    )
+    cache_latents(tmp, raw)
     return tmp, raw
 
 

@@ -1,6 +1,6 @@
 """Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
 sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos, tag captions shuffled into
-cached variants and 8-bit AdamW. One run covers them all, to keep the suite's time."""
+cached variants, 8-bit AdamW and the held-out loss. One run covers them all, to keep the suite's time."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 FEATURES = {
     "data": {"masks": {"source": "file"}},
     "latents": {"tags": {"shuffle": True, "keep_first": 1, "variants": 3}},
-    "train": {"optimizer": "adamw_8bit"},
+    "prepare": {"eval_fraction": 0.5},  # some of the six photos held out (picked by content id)
+    "train": {"optimizer": "adamw_8bit", "validation": {"heldout_every": 1}},
 }
 
 
@@ -52,6 +53,7 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     read = lambda rel: json.loads((project / rel).read_text())
     manifest = [json.loads(line) for line in (project / "results/prepare/manifest.jsonl").read_text().splitlines()]
     assert len(manifest) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
+    held = [row for row in manifest if row["split"] == "eval"]
     assert read("results/latents/summary.json")["masks"]["images_without_a_mask_file"] == 3
     items = read("results/latents/index.json")["items"]
     assert all(item["mask_key"] for item in items)
@@ -59,4 +61,8 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
         assert len(item["text_keys"]) == 3 and all(v.startswith("sks shape, ") for v in item["caption_variants"])
     assert read("results/train/final/final.json")["optimizer_steps"] == TEMPLATE_FAST["train"]["max_steps"]
     assert "optimizer: adamw_8bit" in (project / "results/train/config.yaml").read_text()
+    assert read("results/latents/summary.json")["heldout_images"] == len(held) > 0
+    rows = (project / "results/train/metrics.csv").read_text().splitlines()
+    heldout = [line.split(",")[-1] for line in rows[1:]]
+    assert rows[0].endswith(",heldout_loss") and len(heldout) == 3 and all(float(v) > 0 for v in heldout)
     assert all(result["verified"] for result in read("results/export/summary.json")["formats"].values())

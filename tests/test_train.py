@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from sdpipe import config, io, records
 from sdpipe.stages import caption, latents, prepare
-from tests.conftest import REPO, small_config
+from tests.conftest import REPO, cache_latents, small_config
 
 pytestmark = pytest.mark.slow
 TRAIN = {
@@ -43,15 +43,7 @@ def cache(tmp_path_factory, demo_source, tiny_model) -> tuple[Path, dict]:
     """The latent cache of 40 demo images, made by the real stages."""
     tmp = tmp_path_factory.mktemp("train")
     raw_cfg = small_config(tmp, demo_source, tiny_model)
-    cfg = config.from_dict(raw_cfg)
-    prepare.run(cfg, {}, {"manifest": tmp / "m.jsonl", "rejected": tmp / "r.jsonl", "summary": tmp / "p.json"})
-    caption.run(cfg, {"manifest": tmp / "m.jsonl"}, {"captions": tmp / "c.jsonl", "summary": tmp / "cs.json"})
-    latents.run(
-        cfg,
-        {"manifest": tmp / "m.jsonl", "captions": tmp / "c.jsonl"},
-        {"index": tmp / "index.json", "summary": tmp / "ls.json"},
-    )
-    return tmp / "index.json", raw_cfg
+    return cache_latents(tmp, raw_cfg), raw_cfg
 
 
 def train(tmp: Path, cache, out: str, check: bool = True, **settings) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ FAST = {
         "per_device_batch_size": 4,
         "checkpoint_every": 2,
         "lr_warmup_steps": 0,
-        "validation": {"every": 0},
+        "validation": {"every": 0, "heldout_every": 0},
     },
     "export": {"verify": {"prompt": "a red circle on a white background", "steps": 2}},
     "evaluate": {
@@ -42,7 +42,7 @@ TEMPLATE_FAST = {
         "grad_accum_steps": 1,
         "lr_warmup_steps": 0,
         "mixed_precision": "fp32",
-        "validation": {"every": 0},
+        "validation": {"every": 0, "heldout_every": 0},
         "gradient_checkpointing": False,
     },
     "export": {"verify": {"steps": 2}},

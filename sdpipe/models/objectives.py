@@ -51,6 +51,12 @@ class Objective:
         """What the denoiser predicts, as summaries and exports' metadata record it."""
         raise NotImplementedError
 
+    def at_fractions(self, scheduler, fractions: list[float]) -> torch.Tensor:
+        """Fixed timesteps (held-out loss): each fraction of the schedule in the scheduler's units, unshifted."""
+        import torch
+
+        return torch.tensor(fractions, dtype=torch.float32) * scheduler.config.num_train_timesteps
+
 
 class DDPM(Objective):
     """Denoising diffusion on a discrete beta schedule (DDPMScheduler, with the pipeline's betas)."""
@@ -64,6 +70,10 @@ class DDPM(Objective):
 
     def prediction(self, scheduler) -> str:
         return scheduler.config.prediction_type  # "epsilon" or "v_prediction"
+
+    def at_fractions(self, scheduler, fractions: list[float]) -> torch.Tensor:
+        n = scheduler.config.num_train_timesteps
+        return super().at_fractions(scheduler, fractions).long().clamp(0, n - 1)  # discrete steps
 
     def noisy(self, scheduler, latents, noise, timesteps):
         return scheduler.add_noise(latents, noise, timesteps)

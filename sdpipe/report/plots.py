@@ -33,8 +33,12 @@ def loss_lr(rows: list[dict], path: Path) -> None:
     steps = [r["step"] for r in rows]
     with matplotlib.rc_context(STYLE):
         fig, (loss, lr) = _figure(2)
-        loss.plot(steps, _y(r["loss"] for r in rows), marker=".", color="C0")
-        loss.set(title="training loss", xlabel="optimizer step", ylabel="loss (mean over the logged steps)")
+        loss.plot(steps, _y(r["loss"] for r in rows), marker=".", color="C0", label="training")
+        held = [(r["step"], r["heldout_loss"]) for r in rows if r.get("heldout_loss") is not None]
+        if held:  # train.validation.heldout_every: the eval split at fixed timesteps and noise
+            loss.plot(*zip(*held), marker="o", color="C3", label="held-out")
+            loss.legend()
+        loss.set(title="loss", xlabel="optimizer step", ylabel="loss (mean over the logged steps)")
         lr.plot(steps, _y(r["lr"] for r in rows), marker=".", color="C1")
         lr.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
         lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))

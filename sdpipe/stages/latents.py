@@ -34,6 +34,8 @@ READS = (
     "prepare.alpha_background",
     "prepare.max_pixels",
     "data.masks",
+    "train.validation.heldout_every",
+    "train.validation.heldout_images",
 )
 
 
@@ -66,17 +68,39 @@ def describe_model(cfg: Config) -> dict:
     }
 
 
+def heldout_rows(cfg: Config, manifest: list[dict]) -> list[dict]:
+    """The eval images whose held-out loss training computes (train.validation.heldout_*): the first by id."""
+    v = cfg.train.validation
+    if not v.heldout_every:
+        return []
+    return sorted((r for r in manifest if r["split"] == "eval"), key=lambda r: r["id"])[: v.heldout_images]
+
+
+def _fixed(lat):
+    """The latents settings for held-out images: one caption and no flip, so each image's loss is one fixed thing."""
+    import dataclasses
+
+    return dataclasses.replace(lat, flip=False, tags=dataclasses.replace(lat.tags, shuffle=False, dropout=0.0))
+
+
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    rows = [r for r in read_upstream(inputs["manifest"], "prepare") if r["split"] == "train"]
+    manifest = read_upstream(inputs["manifest"], "prepare")
+    rows = [r for r in manifest if r["split"] == "train"]
     captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
     model = describe_model(cfg)
     check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
     file_of = lambda row: image_file(cfg, row)
     m = cfg.data.masks
     mask_origin = None if m.source == "none" else lambda row: masks.origin(m.source, Path(file_of(row)), m.suffix)
-    items, image_jobs, text_jobs, failed = plan(
-        cfg.latents, tuple(cfg.prepare.alpha_background), rows, captions, model, file_of, mask_origin
+    background = tuple(cfg.prepare.alpha_background)
+    items, image_jobs, text_jobs, failed = plan(cfg.latents, background, rows, captions, model, file_of, mask_origin)
+    held = heldout_rows(cfg, manifest)
+    eval_items, eval_images, eval_texts, eval_failed = plan(
+        _fixed(cfg.latents), background, held, captions, model, file_of, mask_origin
     )
+    known = {j["key"] for j in image_jobs + text_jobs}
+    image_jobs += [j for j in eval_images if j["key"] not in known]
+    text_jobs += [j for j in eval_texts if j["key"] not in known]
 
     root = Path(cfg.cache_dir)
     stores = {"image": ShardStore(root / "latents"), "text": ShardStore(root / "text")}
@@ -110,8 +134,11 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
     summary = _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
-    if mask_summary:
-        io.write_json(outputs["summary"], summary | {"masks": mask_summary})
+    extra = {"masks": mask_summary} if mask_summary else {}
+    if held:
+        extra["heldout_images"] = _add_heldout(outputs["index"], eval_items, wheres, eval_failed + worker_failed)
+    if extra:
+        io.write_json(outputs["summary"], summary | extra)
     return summary
 
 
@@ -143,12 +170,7 @@ def _worker_settings(cfg: Config, root: Path, processes: int) -> dict:
 
 def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
     bad_paths = {f["path"] for f in failed}
-    present = lambda it: (
-        it["latent_key"] in wheres["image"]
-        and all(key in wheres["text"] for key in it["text_keys"] or [it["text_key"]])
-        and all(it[k] is None or it[k] in wheres["image"] for k in ("flip_key", "mask_key", "flip_mask_key"))
-    )
-    kept = [it for it in items if it["path"] not in bad_paths and present(it)]
+    kept = [it for it in items if it["path"] not in bad_paths and _present(it, wheres)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
     encoded = len({it["id"] for it in kept} & encoded_ids)
     index: LatentIndex = {
@@ -188,6 +210,26 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
     )
     _say_what_failed(failed, outputs["index"], none_kept=not kept)
     return summary
+
+
+def _present(item: dict, wheres: dict) -> bool:
+    """Whether everything the item's samples read is in the stores."""
+    return (
+        item["latent_key"] in wheres["image"]
+        and all(key in wheres["text"] for key in item["text_keys"] or [item["text_key"]])
+        and all(item[k] is None or item[k] in wheres["image"] for k in ("flip_key", "mask_key", "flip_mask_key"))
+    )
+
+
+def _add_heldout(index_path: Path, eval_items: list, wheres: dict, failed: list) -> int:
+    """Put the held-out images that were encoded into the index as "eval_items"; how many."""
+    bad = {f["path"] for f in failed}
+    kept = [it for it in eval_items if it["path"] not in bad and _present(it, wheres)]
+    index = io.read_json(index_path)
+    io.write_json(index_path, index | {"eval_items": kept})
+    if len(kept) < len(eval_items):
+        log.warning("latents: %d held-out image(s) could not be encoded", len(eval_items) - len(kept))
+    return len(kept)
 
 
 def _mask_summary(cfg: Config, image_jobs: list[dict], computed: list[dict]) -> dict | None:

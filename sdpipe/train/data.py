@@ -20,14 +20,22 @@ from sdpipe.records import LatentIndex
 
 
 class LatentData:
-    def __init__(self, index_path: str | Path, prior_loss_weight: float = 1.0, verify: bool = True):
+    def __init__(
+        self, index_path: str | Path, prior_loss_weight: float = 1.0, verify: bool = True, split: str = "train"
+    ):
+        """`split`: "train", or "eval" for the held-out images the latents stage cached (index "eval_items")."""
         index_path = Path(index_path)
         if not index_path.is_file():
             raise UserError(f"latent cache index {index_path} not found; run `snakemake latents` first")
         self.index: LatentIndex = io.read_json(index_path)
         if self.index.get("version") != INDEX_VERSION:
             raise UserError(f"{index_path} was written by another sdpipe version; rerun `snakemake latents`")
-        self.items = self.index["items"]
+        self.items = self.index["items"] if split == "train" else self.index.get("eval_items", [])
+        if not self.items and split == "eval":
+            raise UserError(
+                f"{index_path} holds no held-out images: prepare.eval_fraction put none in the eval split, or "
+                f"they could not be encoded (see results/latents/summary.json)"
+            )
         if not self.items:
             raise UserError(f"{index_path} lists no training images; see results/latents/summary.json")
         stores = {"latent": Path(self.index["latent_store"]), "text": Path(self.index["text_store"])}

@@ -21,7 +21,7 @@ from sdpipe import config, io
 from sdpipe.errors import UserError
 from sdpipe.log import progress
 from sdpipe.records import TrainSummary
-from sdpipe.train import accounting, checkpoint, lifeline, objective, trackers
+from sdpipe.train import accounting, checkpoint, heldout, lifeline, objective, trackers
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (
     MIXED,
@@ -77,6 +77,7 @@ class Run:
     forward: Callable[..., Any] = None  # type: ignore[assignment]  # the (wrapped) UNet the step calls, compiled on GPUs
     pad_to: int = 0  # a compiled step pads short batches to this size (zero loss weight): one shape, no recompile
     prefetch: Prefetcher | None = None  # loads the next batches in the background (while training), else None
+    heldout: LatentData | None = None  # the held-out images (train.validation.heldout_every), else None
 
     def trained(self) -> dict:
         """Pipeline component name -> the (wrapped) model being trained."""
@@ -204,6 +205,7 @@ def build(cfg: Config, index: Path, out: Path) -> Run:
         text=text,
         forward=forward,
         pad_to=t.per_device_batch_size if forward is not unet else 0,
+        heldout=heldout.load(cfg, index, verify=accelerator.is_main_process),
     )
 
 
@@ -434,7 +436,9 @@ def train_epoch(run: Run) -> bool:
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
         optimizer_step(run)
-        run.telemetry.step(run, loss_sum, samples, step_samples)
+        with run.telemetry.paused():
+            held = heldout.loss(run) if heldout.due(run) else None
+        run.telemetry.step(run, loss_sum, samples, step_samples, held)
         if run.advance_bar:
             run.advance_bar(1)
         with run.telemetry.paused():

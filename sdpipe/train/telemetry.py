@@ -43,6 +43,7 @@ COLUMNS = [
     "data_wait",
     "peak_memory_mb",
     "samples_seen",
+    "heldout_loss",  # last: rows written before it existed read as blank here
 ]
 
 
@@ -185,15 +186,18 @@ class Telemetry:
                 f" {compile_seconds():.1f} s" if compile_seconds() else "",
             )
 
-    def step(self, run, loss_sum: torch.Tensor | int, rank_samples: int, step_samples: int) -> None:
-        """After an optimizer step: this rank's loss sum over its `rank_samples`; `step_samples` over all ranks."""
+    def step(
+        self, run, loss_sum: torch.Tensor | int, rank_samples: int, step_samples: int, heldout: float | None = None
+    ) -> None:
+        """After an optimizer step: this rank's loss sum over its `rank_samples`; `step_samples` over all ranks;
+        the held-out loss when it was measured at this step (which then always gets a row)."""
         self.samples += step_samples
         self.loss_sum = self.loss_sum + loss_sum
         self.loss_samples += rank_samples
         self.steps += 1
         if self.first_step_s is None:
             self._first_step_done()
-        if run.step % self.every and run.step != self.total:
+        if run.step % self.every and run.step != self.total and heldout is None:
             return
         loss = self.window_loss()
         check_finite(run, loss)
@@ -209,6 +213,7 @@ class Telemetry:
             "data_wait": round(self.data_wait(elapsed), 4),
             "peak_memory_mb": self.peak_memory_mb(),
             "samples_seen": run.state.samples_seen_total,
+            "heldout_loss": None if heldout is None else round(heldout, 6),
         }
         if self.file:  # rank 0 only
             self.writer.writerow(row)
@@ -223,6 +228,8 @@ class Telemetry:
                 row["samples_per_s_per_gpu"],
                 100 * row["data_wait"],
             )
+            if heldout is not None:
+                log.info("step %d held-out loss %.4f", run.step, heldout)
         run.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=run.step)
         self._reset()
 
