@@ -38,9 +38,18 @@ class MasksConfig:
 
 
 @dataclass(frozen=True)
+class RegularisationConfig:
+    dir: str
+    weight: float
+    repeats: int | Literal["balance"]
+    caption: str | None
+
+
+@dataclass(frozen=True)
 class DataConfig:
     raw_dir: str
     caption_extensions: list[str]
+    regularisation: list[RegularisationConfig]
     masks: MasksConfig
 
 
@@ -447,8 +456,17 @@ def _build(cls, values: dict):
         value = values[f.name]
         if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
             value = _build(f.type, value)
+        elif item_type := _dataclass_items(f.type):  # e.g. data.regularisation: a list of typed entries
+            value = [_build(item_type, item) for item in value]
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _dataclass_items(hint: Any) -> Any:
+    """X for a list[X] hint whose X is a dataclass, else None."""
+    args: tuple = getattr(hint, "__args__", ())
+    item = args[0] if getattr(hint, "__origin__", None) is list and len(args) == 1 else None
+    return item if isinstance(item, type) and dataclasses.is_dataclass(item) else None
 
 
 def _resolve_types(cls) -> None:

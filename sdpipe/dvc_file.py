@@ -116,6 +116,8 @@ def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
     deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
     if name == "prepare" and cfg.dreambooth.enabled and base:
         deps.append(base)  # class images come from the base model
+    if name == "prepare":
+        deps += [spec.dir for spec in cfg.data.regularisation]
     model = {"base": base, "stage": stage_model}.get(stage.model or "")
     deps += ([model] if model else []) + code
     forced = stage.rules.split()[-1]

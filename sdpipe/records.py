@@ -17,7 +17,8 @@ CAPTIONS_VERSION = 1
 # The stage that writes each versioned JSONL record, and its version (stages.read_upstream checks it).
 ROW_VERSIONS = {"prepare": MANIFEST_VERSION, "caption": CAPTIONS_VERSION}
 
-Role = Literal["instance", "class"]  # a training image, or a DreamBooth class (regularisation) image
+# A training image, a DreamBooth class image (generated), or an image of a data.regularisation folder
+Role = Literal["instance", "class", "regularisation"]
 Split = Literal["train", "eval"]
 
 
@@ -39,6 +40,7 @@ class ManifestRow(TypedDict):
     folder: str  # the N_name folder's name, the {folder} of caption templates
     sidecar: str | None  # the sidecar caption's text
     sidecar_path: str | None
+    # data.regularisation rows also carry "loss_weight" (float) and, with a folder caption, "fixed_caption": true
 
 
 class CaptionRow(TypedDict):
@@ -87,6 +89,7 @@ class LatentItem(TypedDict):
     original_size: list[int]  # (h, w): SDXL's size conditioning
     crop_top_left: list[int]
     flip_crop_top_left: list[int]
+    loss_weight: float | None  # a data.regularisation folder's weight; None: 1, or dreambooth.prior_loss_weight
 
 
 class Failure(TypedDict):

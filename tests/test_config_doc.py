@@ -15,6 +15,7 @@ KEYWORDS = {
     "description",
     "type",
     "additionalProperties",
+    "required",
     "definitions",
     "properties",
     "default",

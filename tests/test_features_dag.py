@@ -1,6 +1,7 @@
 """Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
 sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos, tag captions shuffled into
-cached variants, 8-bit AdamW and the held-out loss. One run covers them all, to keep the suite's time."""
+cached variants, a regularisation folder, 8-bit AdamW and the held-out loss. One run covers them all, to keep the
+suite's time."""
 
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ FEATURES = {
 
 @pytest.fixture
 def photos(tmp_path, demo_source):
-    """Six demo photos; the even ones with a mask of their left half; each with a tag caption."""
-    out = tmp_path / "photos"
+    """Six demo photos; the even ones with a mask of their left half; each with a tag caption. Three others in a
+    regularisation folder."""
+    out, reg = tmp_path / "photos", tmp_path / "reg"
     out.mkdir()
+    reg.mkdir()
+    for image in sorted(demo_source.rglob("*.png"))[6:9]:
+        (reg / image.name).write_bytes(image.read_bytes())
     for n, image in enumerate(sorted(demo_source.rglob("*.png"))[:6]):
         (out / image.name).write_bytes(image.read_bytes())
         (out / f"{image.stem}.txt").write_text(f"sks shape, tag{n}, bright, flat colours, centred")
@@ -46,16 +51,21 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     project = tmp_path / "job"
     init = [sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora", "--images", str(photos)]
     run([*init, "--model", str(model), "--prompt", "a red circle"], tmp_path)
-    (project / "fast.yaml").write_text(yaml.safe_dump(config.merge(TEMPLATE_FAST, FEATURES)))
+    regularisation = {"data": {"regularisation": [{"dir": str(tmp_path / "reg"), "weight": 0.5, "caption": "a shape"}]}}
+    fast = config.merge(config.merge(TEMPLATE_FAST, FEATURES), regularisation)
+    (project / "fast.yaml").write_text(yaml.safe_dump(fast))
     configs = ["--configfile", "config/config.yaml", "fast.yaml"]
     run(["snakemake", "--profile", "runpod", "--cores", "2", *configs], project)
 
     read = lambda rel: json.loads((project / rel).read_text())
     manifest = [json.loads(line) for line in (project / "results/prepare/manifest.jsonl").read_text().splitlines()]
-    assert len(manifest) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
+    photos_rows = [row for row in manifest if row["role"] == "instance"]
+    assert len(photos_rows) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
     held = [row for row in manifest if row["split"] == "eval"]
-    assert read("results/latents/summary.json")["masks"]["images_without_a_mask_file"] == 3
-    items = read("results/latents/index.json")["items"]
+    regs = [item for item in read("results/latents/index.json")["items"] if item["role"] == "regularisation"]
+    assert len(regs) == 3 and {(item["loss_weight"], item["caption"]) for item in regs} == {(0.5, "a shape")}
+    assert read("results/latents/summary.json")["masks"]["images_without_a_mask_file"] == 3 + 3  # and the folder's
+    items = [item for item in read("results/latents/index.json")["items"] if item["role"] == "instance"]
     assert all(item["mask_key"] for item in items)
     for item in items:  # the first tag stays first in every cached variant
         assert len(item["text_keys"]) == 3 and all(v.startswith("sks shape, ") for v in item["caption_variants"])

@@ -63,6 +63,7 @@ def plan(
             "id": row["id"],
             "path": row["path"],
             "role": row.get("role", "instance"),
+            "loss_weight": row.get("loss_weight"),
             "bucket": row["bucket"],
             "repeats": row["repeats"],
             "caption": caption,

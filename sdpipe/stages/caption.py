@@ -119,10 +119,12 @@ def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]
         free.template_fields(cfg.caption.template)  # a bad template fails before any work
     root = Path(cfg.cache_dir) / "captions"
     items, devices = [Item(row) for row in rows], []
-    # DreamBooth class images are captioned by their sidecar, the class prompt they were generated from.
-    _free_step(cfg, "sidecar", [item for item in items if item.row.get("role") == "class"], root)
+    # DreamBooth class images are captioned by their sidecar, the class prompt they were generated from, and
+    # regularisation folders with a fixed caption by that caption.
+    fixed = lambda item: item.row.get("role") == "class" or item.row.get("fixed_caption")
+    _free_step(cfg, "sidecar", [item for item in items if fixed(item)], root)
     for source in cfg.caption.chain:
-        todo = [item for item in items if item.caption is None and item.row.get("role") != "class"]
+        todo = [item for item in items if item.caption is None and not fixed(item)]
         if not todo:
             break
         if source in FREE_SOURCES:

@@ -249,6 +249,30 @@ def class_rows(cfg: Config, folder: Path, instance_samples: int) -> tuple[list[d
     return out.rows, out
 
 
+def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict], dict]:
+    """data.regularisation's folders: training rows with their folder's loss weight, repeats and caption; and a
+    summary per folder. A folder that is missing or holds no usable image is a one-line error."""
+    rows, summary = [], {}
+    for spec in cfg.data.regularisation:
+        folder = Path(spec.dir)
+        if not folder.is_dir():
+            raise UserError(f"data.regularisation: folder {spec.dir} does not exist")
+        images, sidecars = scan(folder, cfg.data.caption_extensions)
+        results = inspect_all(folder, images, validation_params(cfg), str(Path(cfg.cache_dir) / "prepare"), 1)
+        out = collect(cfg, folder, images, results, match_sidecars(images, sidecars, cfg.data.caption_extensions)[0])
+        if not out.rows:
+            raise UserError(f"data.regularisation: no usable image in {spec.dir} ({len(out.rejected)} rejected)")
+        balance = max(1, round(instance_samples / len(out.rows)))
+        repeats = balance if spec.repeats == "balance" else spec.repeats
+        for row in out.rows:
+            row.update(role="regularisation", split="train", repeats=repeats, folder="", loss_weight=spec.weight)
+            if spec.caption:
+                row.update(sidecar=spec.caption, fixed_caption=True)
+        rows += out.rows
+        summary[spec.dir] = {"accepted": len(out.rows), "rejected": len(out.rejected), "repeats": repeats}
+    return rows, summary
+
+
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     raw, images, sidecars = _candidates(cfg)
     params = validation_params(cfg)
@@ -272,6 +296,11 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
             "repeats": extra[0]["repeats"],
             "instance_samples": instance_samples,
         }
+    if cfg.data.regularisation:
+        instance_samples = sum(r["repeats"] for r in out.rows if r["split"] == "train")
+        extra, summary["regularisation"] = regularisation_rows(cfg, instance_samples)
+        known = {r["id"] for r in rows}
+        rows = rows + [r for r in extra if r["id"] not in known]  # a raw image wins over an equal one
     io.write_jsonl(outputs["manifest"], rows)
     io.write_jsonl(outputs["rejected"], out.rejected)
     io.write_json(outputs["summary"], summary)

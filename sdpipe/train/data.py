@@ -46,7 +46,15 @@ class LatentData:
         # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
         self.sample_items = [i for i, item in enumerate(self.items) for _ in range(item["repeats"])]
         # DreamBooth prior preservation: a class image's loss counts prior_loss_weight times an instance image's.
-        self.loss_weight = [prior_loss_weight if item.get("role") == "class" else 1.0 for item in self.items]
+        # A data.regularisation folder's images count their folder's weight.
+        self.loss_weight = [
+            item["loss_weight"]
+            if item.get("loss_weight") is not None
+            else prior_loss_weight
+            if item.get("role") == "class"
+            else 1.0
+            for item in self.items
+        ]
         self.latent_channels = self._tensor("latent", self.items[0]["latent_key"], "latent").shape[0]
         # The cache holds the VAE posterior means as encoded; diffusion works on (mean - shift) * scaling_factor,
         # the convention every diffusers pipeline decodes with (latents / scaling_factor + shift).

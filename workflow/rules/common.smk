@@ -113,6 +113,16 @@ def _raw_listing():
     return tuple(sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)))
 
 
+def regularisation_files(wildcards):
+    """Every file under data.regularisation's folders: adding or changing one reruns prepare (local folders)."""
+    found = []
+    for spec in CFG["data"]["regularisation"]:
+        root = Path(spec["dir"])
+        if root.is_dir():
+            found += sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return found
+
+
 # With model.train_vae, every stage after it uses the base pipeline with the trained VAE (rule train_vae).
 TRAIN_VAE = CFG["model"]["train_vae"]["enabled"]
 STAGE_MODEL = "results/vae/model" if TRAIN_VAE else MODEL

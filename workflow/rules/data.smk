@@ -32,6 +32,7 @@ rule prepare:
     input:
         unpack(class_images),
         raw=raw_files,
+        regularisation=regularisation_files,
     output:
         manifest="results/prepare/manifest.jsonl",
         rejected="results/prepare/rejected.jsonl",
