@@ -76,6 +76,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class BucketConfig:
     resolution: int
+    also_at: list[int]
     step: int
     max_aspect: float
 

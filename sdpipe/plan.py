@@ -167,7 +167,7 @@ def _memory(cfg: Config, denoiser: dict | None) -> str:
         params,
         t.mode,
         t.per_device_batch_size,
-        cfg.prepare.buckets.resolution,
+        max([cfg.prepare.buckets.resolution, *cfg.prepare.buckets.also_at]),  # the largest sets the peak
         t.gradient_checkpointing,
         t.optimizer,
     )

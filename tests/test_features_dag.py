@@ -1,7 +1,7 @@
 """Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
 sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos, tag captions shuffled into
-cached variants, a regularisation folder, 8-bit AdamW and the held-out loss. One run covers them all, to keep the
-suite's time."""
+cached variants, a second resolution, a regularisation folder, 8-bit AdamW and the held-out loss. One run covers
+them all, to keep the suite's time."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 FEATURES = {
     "data": {"masks": {"source": "file"}},
     "latents": {"tags": {"shuffle": True, "keep_first": 1, "variants": 3}},
-    "prepare": {"eval_fraction": 0.5},  # some of the six photos held out (picked by content id)
+    "prepare": {"eval_fraction": 0.5, "buckets": {"also_at": [48]}},  # some photos held out (by content id)
     "train": {"optimizer": "adamw_8bit", "validation": {"heldout_every": 1}},
 }
 
@@ -59,14 +59,19 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
 
     read = lambda rel: json.loads((project / rel).read_text())
     manifest = [json.loads(line) for line in (project / "results/prepare/manifest.jsonl").read_text().splitlines()]
-    photos_rows = [row for row in manifest if row["role"] == "instance"]
-    assert len(photos_rows) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
+    photos = {row["id"] for row in manifest if row["role"] == "instance"}
+    assert len(photos) == 6 and not any("_mask" in row["path"] for row in manifest), "masks are not images"
     held = [row for row in manifest if row["split"] == "eval"]
     regs = [item for item in read("results/latents/index.json")["items"] if item["role"] == "regularisation"]
-    assert len(regs) == 3 and {(item["loss_weight"], item["caption"]) for item in regs} == {(0.5, "a shape")}
+    assert len({item["id"] for item in regs}) == 3
+    assert {(item["loss_weight"], item["caption"]) for item in regs} == {(0.5, "a shape")}
     assert read("results/latents/summary.json")["masks"]["images_without_a_mask_file"] == 3 + 3  # and the folder's
     items = [item for item in read("results/latents/index.json")["items"] if item["role"] == "instance"]
     assert all(item["mask_key"] for item in items)
+    sizes = {}  # prepare.buckets.also_at: each training photo at 32 and at 48 px
+    for item in items:
+        sizes.setdefault(item["id"], set()).add(item["bucket"][0] * item["bucket"][1] > 40 * 40)
+    assert set(map(frozenset, sizes.values())) == {frozenset({False, True})}
     for item in items:  # the first tag stays first in every cached variant
         assert len(item["text_keys"]) == 3 and all(v.startswith("sks shape, ") for v in item["caption_variants"])
     assert read("results/train/final/final.json")["optimizer_steps"] == TEMPLATE_FAST["train"]["max_steps"]

@@ -249,6 +249,18 @@ def class_rows(cfg: Config, folder: Path, instance_samples: int) -> tuple[list[d
     return out.rows, out
 
 
+def also_at_rows(cfg: Config, train_rows: list[dict]) -> list[dict]:
+    """prepare.buckets.also_at: each training row again at each further resolution, in that resolution's bucket
+    for the image's aspect ratio (the rows share the image's id; their buckets, so their latents, differ)."""
+    from sdpipe.buckets import assign_bucket, make_buckets
+
+    b, extra = cfg.prepare.buckets, []
+    for resolution in b.also_at:
+        buckets = make_buckets(resolution, b.step, b.max_aspect)
+        extra += [r | {"bucket": list(assign_bucket(r["width"], r["height"], buckets))} for r in train_rows]
+    return extra
+
+
 def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict], dict]:
     """data.regularisation's folders: training rows with their folder's loss weight, repeats and caption; and a
     summary per folder. A folder that is missing or holds no usable image is a one-line error."""
@@ -301,6 +313,10 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
         extra, summary["regularisation"] = regularisation_rows(cfg, instance_samples)
         known = {r["id"] for r in rows}
         rows = rows + [r for r in extra if r["id"] not in known]  # a raw image wins over an equal one
+    if cfg.prepare.buckets.also_at:
+        extra = also_at_rows(cfg, [r for r in rows if r["split"] == "train"])
+        summary["also_at"] = {"resolutions": cfg.prepare.buckets.also_at, "rows": len(extra)}
+        rows = rows + extra
     io.write_jsonl(outputs["manifest"], rows)
     io.write_jsonl(outputs["rejected"], out.rejected)
     io.write_json(outputs["summary"], summary)
