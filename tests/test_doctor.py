@@ -93,4 +93,4 @@ def test_an_unreadable_or_unknown_single_file_is_not_found(tiny_model, single, t
     other = tmp_path / "other.safetensors"
     save_file({"encoder.weight": torch.zeros(2, 2)}, str(other))
     status, ok = _row(tmp_path, other, single_file_config=str(tiny_model))
-    assert not ok and status.startswith("unreadable: ") and "not an SD 1.x/2.x or SDXL checkpoint" in status
+    assert not ok and status.startswith("unreadable: ") and "not a checkpoint of a family sdpipe trains" in status
