@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from sdpipe import io, weights
+from sdpipe import single_file as base_files
 from sdpipe.errors import UserError
 from sdpipe.export.mmdit import mmdit_state
 from sdpipe.models import families, loading
@@ -272,15 +273,18 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
     `config=` is required: custom sizes (the tiny presets) are on no hub repo, and without it diffusers guesses a
     hub repo from the keys and downloads its configs. Only config and tokenizer files of `config_dir` are offered,
     so that nothing can come from its weights: diffusers loads a text encoder it does not recognise in the file
-    from the config folder instead. The one exception is a family whose files hold no text encoder (SD 3): there
-    the config folder's text encoders are passed explicitly, as users pass theirs.
+    from the config folder instead. The one exception is what a family's files do not hold (SD 3.5's text
+    encoders), judged as for a single-file base model (sdpipe.single_file.parts_not_in_file): those components
+    are loaded from the config folder and passed explicitly, as users pass theirs.
     """
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
     cls = families.named(family).pipeline()
     root, _ = loading.model_index(str(config_dir))
     _check_keys(path, root, family)
-    alongside = text_encoders_alongside(root, family, dtype)
+    # What the file lacks, by the same presence tests the single-file base-model path uses (sdpipe.single_file).
+    lacking = base_files.parts_not_in_file(base_files.tensor_info(path), family)
+    alongside = loading.load_components(str(root), lacking, dtype) if lacking else {}
     with tempfile.TemporaryDirectory() as configs:
         shutil.copytree(
             root,
@@ -295,10 +299,3 @@ def load_single_file(path: str | Path, config_dir: str | Path, family: str, dtyp
         except (OSError, ValueError, SingleFileComponentError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(f"cannot load {path} as a single-file {family} checkpoint: {first}") from None
-
-
-def text_encoders_alongside(root: Path, family: str, dtype: torch.dtype) -> dict:
-    """The text encoders of diffusers folder `root`, by component name, for a family whose single files hold
-    none; nothing for the others."""
-    fam = families.named(family)
-    return {} if fam.single_file_text else loading.load_components(str(root), list(fam.text_encoders), dtype)
