@@ -253,7 +253,7 @@ def test_the_step_rows_compile_on_a_gpu_by_default(tmp_path, monkeypatch, device
     monkeypatch.setattr(
         pipeline,
         "train_row",
-        lambda work, cache, name, batch, steps, warmup, overrides: (
+        lambda work, cache, name, batch, steps, warmup, overrides, base, cap: (
             modes.append(overrides["compile"]) or {"samples_per_s": 1.0}
         ),
     )
@@ -278,3 +278,83 @@ def test_the_step_rows_compile_on_a_gpu_by_default(tmp_path, monkeypatch, device
     out = cli.bench_preset(args, "sd15", torch.device(device), tmp_path)
     assert modes == [mode]
     assert [r["name"] for r in out["rows"]] == [f"sdpipe train ({label}, fused AdamW), batch 32"]
+
+
+def test_template_and_optimizer_rows_train_with_the_templates_settings(tmp_path, monkeypatch):
+    """--train-template x --optimizer: each row's train section is the template's (its batch, accumulation and
+    checkpointing), with the bench's timing settings over it and the optimizer over those."""
+    import argparse
+
+    import torch
+    import yaml
+
+    from sdpipe.bench import cli, pipeline
+
+    stage = tmp_path / "stage.yaml"
+    stage.write_text("model: {pretrained: m}\n")
+    configs = []
+
+    def fake_row(work, cache, name, batch, steps, warmup, extra, base, cap):
+        path = pipeline.train_config(work, str(stage), name, batch, steps, warmup, extra, base)
+        configs.append(yaml.safe_load(path.read_text())["train"])
+        return {"samples_per_s": 1.0, "batch": batch, "grad_accum_steps": base.get("grad_accum_steps", 1)}
+
+    monkeypatch.setattr(pipeline, "train_row", fake_row)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(
+        ["--train-template", "sdxl-lora", "--train-template", "sdxl-lora-24gb", "--optimizer", "adamw"]
+        + ["--optimizer", "adamw_8bit", "--compile", "eager", "--steps", "3", "--warmup", "2"]
+    )
+    rows = list(cli.train_rows(args, "sdxl", torch.device("cpu"), tmp_path, {"config": str(stage)}, None))
+    assert [r["name"] for r in rows] == [
+        "sdpipe train (sdxl-lora, eager, fused AdamW), batch 4",
+        "sdpipe train (sdxl-lora, eager, adamw_8bit), batch 4",
+        "sdpipe train (sdxl-lora-24gb, eager, fused AdamW), batch 1 x 4 accumulated",
+        "sdpipe train (sdxl-lora-24gb, eager, adamw_8bit), batch 1 x 4 accumulated",
+    ]
+    assert [c["optimizer"] for c in configs] == ["adamw", "adamw_8bit"] * 2
+    assert all(c["mode"] == "lora" and c["lora"]["rank"] == 16 for c in configs)
+    assert configs[2]["gradient_checkpointing"] and configs[2]["grad_accum_steps"] == 4
+    # the template's validation, checkpoints and warm-up ramp give way to the bench's timing settings
+    assert all(c["validation"] == {"every": 0} and c["checkpoint_every"] == 0 for c in configs)
+    assert all(c["max_steps"] == 5 and c["lr_warmup_steps"] == 0 for c in configs)
+
+
+def test_a_row_out_of_memory_under_the_cap_is_reported_as_not_fitting(tmp_path, monkeypatch):
+    import subprocess
+
+    from sdpipe.bench import pipeline
+
+    stage = tmp_path / "stage.yaml"
+    stage.write_text("model: {pretrained: m}\n")
+    monkeypatch.setattr(pipeline, "capped_allocator_env", lambda cap: {"PYTORCH_CUDA_ALLOC_CONF": "x"})
+
+    def oom(cmd, stdout, stderr, env):
+        stdout.write("train: CUDA out of memory at batch 4\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(pipeline.subprocess, "run", oom)
+    cache = {"config": str(stage), "index": "index.json"}
+    row = pipeline.train_row(tmp_path, cache, "r", 4, 3, 1, {}, None, 23.0)
+    assert row["fits"] is False and row["memory_cap_gib"] == 23.0
+    with pytest.raises(subprocess.CalledProcessError):  # without a cap, the same failure is a failure
+        pipeline.train_row(tmp_path, cache, "r", 4, 3, 1, {}, None, None)
+    results = _results(170.0, 450.0)
+    results["presets"]["sd15"]["rows"].append({"name": "capped", "kind": "sdpipe", **row})
+    table = report.write(results, tmp_path, "bench-cap")
+    assert "| capped | out of memory under the 23 GiB cap |" in table
+
+
+def test_the_allocator_cap_is_a_fraction_of_the_first_gpu(monkeypatch):
+    import types
+
+    import torch
+
+    from sdpipe.bench import pipeline
+
+    gpu = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpu)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env = pipeline.capped_allocator_env(24.0)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.3000"

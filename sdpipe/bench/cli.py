@@ -38,6 +38,25 @@ def add_arguments(p) -> None:
         help="train.compile for the sdpipe rows (default: compiled on a GPU; a bench's few steps would "
         "make `auto` pick eager); repeatable",
     )
+    p.add_argument(
+        "--train-template",
+        action="append",
+        metavar="TEMPLATE",
+        help="train the rows with this job template's train settings (sdxl-lora, sdxl-lora-24gb, ...; its "
+        "batch unless --batch); repeatable (default: a bf16 full fine-tune)",
+    )
+    p.add_argument(
+        "--optimizer",
+        action="append",
+        help="train.optimizer of the rows (adamw, adamw_8bit, paged_adamw_8bit, ...); repeatable (default: the "
+        "template's, else fused AdamW)",
+    )
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        help="limit PyTorch's allocator in the training rows to this much GPU memory, as on a smaller card: a row "
+        "that runs out of memory is reported as not fitting (23 leaves a 24 GB card its CUDA context)",
+    )
     p.add_argument("--work", default="/tmp/sdpipe-bench", help="scratch: images, caches, runs")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", help="results file stem (default: bench-<presets>)")
@@ -117,23 +136,9 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
             out["rows"].append(baseline.measure(preset, resolution, batch, args.steps, args.warmup, device))
             _show(out["rows"][-1])
     if "train" not in args.skip:
-        for mode in args.compile or ["compiled" if device.type == "cuda" else "eager"]:
-            for batch in batches:
-                log.info("bench %s: sdpipe train, compile %s, batch %d", preset, mode, batch)
-                row = pipeline.train_row(
-                    work,
-                    cache,
-                    f"{preset}-{mode}-{batch}",
-                    batch,
-                    args.steps + args.warmup,
-                    args.warmup,
-                    {"compile": mode},
-                )
-                label = "torch.compile" if mode == "compiled" and device.type == "cuda" else mode
-                out["rows"].append(
-                    {"name": f"sdpipe train ({label}, fused AdamW), batch {batch}", "kind": "sdpipe", **row}
-                )
-                _show(out["rows"][-1])
+        for row in train_rows(args, preset, device, work, cache, args.batch):
+            out["rows"].append(row)
+            _show(row)
     if "loader" not in args.skip:
         batch = max(batches)
         cfg = pipeline.train_config(work, cache["config"], f"{preset}-loader", batch, 1, 1, {})
@@ -144,6 +149,44 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
         out["parity"] = parity.check(preset, resolution, str(model), device)
         _show(out["parity"])
     return out
+
+
+def train_rows(args, preset: str, device, work: Path, cache: dict, batches: list[int] | None):
+    """`sdpipe train` rows: each compile mode x template x optimizer x batch (a template's own batch by default)."""
+    from sdpipe import templates
+    from sdpipe.bench import pipeline
+
+    default_batch = PRESETS[preset][1]
+    for mode in args.compile or ["compiled" if device.type == "cuda" else "eager"]:
+        for template in args.train_template or [None]:
+            base = templates.settings(template).get("train", {}) if template else {}
+            for optimizer in args.optimizer or [None]:
+                extra = {"compile": mode, **({"optimizer": optimizer} if optimizer else {})}
+                for batch in batches or [base.get("per_device_batch_size", default_batch)]:
+                    parts = [p for p in (preset, template, optimizer, mode, str(batch)) if p]
+                    log.info("bench %s: sdpipe train, %s", preset, " ".join(parts[1:]))
+                    steps = args.steps + args.warmup
+                    row = pipeline.train_row(
+                        work, cache, "-".join(parts), batch, steps, args.warmup, extra, base, args.memory_cap_gib
+                    )
+                    yield {
+                        "name": _row_name(mode, device, template, optimizer or base.get("optimizer"), batch, row),
+                        "kind": "sdpipe",
+                        "template": template,
+                        "optimizer": optimizer,
+                        **row,
+                    }
+
+
+OPTIMIZER_LABELS = {None: "fused AdamW", "adamw": "fused AdamW"}
+
+
+def _row_name(mode: str, device, template: str | None, optimizer: str | None, batch: int, row: dict) -> str:
+    label = "torch.compile" if mode == "compiled" and device.type == "cuda" else mode
+    what = ", ".join(x for x in (template, label, OPTIMIZER_LABELS.get(optimizer, optimizer)) if x)
+    accum = row.get("grad_accum_steps", 1)
+    cap = f", {row['memory_cap_gib']:g} GiB cap" if row.get("memory_cap_gib") else ""
+    return f"sdpipe train ({what}{cap}), batch {batch}" + (f" x {accum} accumulated" if accum > 1 else "")
 
 
 def run(args) -> int:

@@ -20,6 +20,20 @@ def sdpipe(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "sdpipe", *args], check=True)
 
 
+def capped_allocator_env(cap_gib: float) -> dict[str, str]:
+    """The environment that limits PyTorch's caching allocator, in `sdpipe train` and the process it starts, to
+    `cap_gib` of the first GPU: a smaller card on this one. Past the cap an allocation raises out-of-memory, as the
+    smaller card would. The CUDA context (about half a GiB) lies outside the allocator: leave it out of the cap."""
+    import os
+
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, cap_gib * 2**30 / total)
+    conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c]
+    return {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ",".join([*conf, f"per_process_memory_fraction:{fraction:.4f}"])}
+
+
 def write_jpegs(out: Path, count: int, size: int, seed: int = 0) -> Path:
     """`count` photo-like JPEGs (smooth colour fields, shapes, sensor noise; quality 90) of size x size px: the
     decode cost of real photos at that size, unlike the demo's tiny images."""
@@ -104,11 +118,16 @@ def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int
     return {**summary, "batch": batch, "index": str(out / "index.json"), "config": str(cfg)}
 
 
-def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict) -> Path:
+def train_config(
+    work: Path, stage_cfg: str, name: str, batch: int, steps: int, log_every: int, extra: dict, base: dict | None = None
+) -> Path:
+    """The latents stage's config with a train section: `base` (a template's train settings, else a bf16 full
+    fine-tune), then the bench's timing settings (no validation, checkpoints or warm-up ramp), then `extra`."""
     cfg = yaml.safe_load(Path(stage_cfg).read_text())
     cfg["train"] = {
         "mode": "full",
         "mixed_precision": "bf16",
+        **(base or {}),
         "per_device_batch_size": batch,
         "max_steps": steps,
         "log_every": log_every,
@@ -125,30 +144,43 @@ def train_config(work: Path, stage_cfg: str, name: str, batch: int, steps: int, 
     return path
 
 
-def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_every: int, extra: dict) -> dict:
+def train_row(
+    work: Path,
+    cache: dict,
+    name: str,
+    batch: int,
+    steps: int,
+    log_every: int,
+    extra: dict,
+    base: dict | None = None,
+    cap_gib: float | None = None,
+) -> dict:
     """`sdpipe train` (what the Snakemake rule runs) for `steps` optimizer steps; samples/s of the last full logged
-    window, warm-up = the first window's time beyond what a steady window takes."""
-    cfg = train_config(work, cache["config"], name, batch, steps, log_every, extra)
+    window, warm-up = the first window's time beyond what a steady window takes. Under an allocator cap
+    (`cap_gib`), a run that goes out of memory is a row that does not fit, not a failed benchmark."""
+    cfg = train_config(work, cache["config"], name, batch, steps, log_every, extra, base)
     out = work / f"train-{name}"
     shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "sdpipe", "train", "--config", str(cfg), "--index", cache["index"]]
+    cmd += ["--out", str(out), "--summary", str(out / "summary.json")]
+    env = capped_allocator_env(cap_gib) if cap_gib else None
     start = time.perf_counter()
-    sdpipe(
-        "train",
-        "--config",
-        str(cfg),
-        "--index",
-        cache["index"],
-        "--out",
-        str(out),
-        "--summary",
-        str(out / "summary.json"),
-    )
+    with open(out / "stage.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - start
+    text = (out / "stage.log").read_text(errors="replace")
+    print(text[-4000:], flush=True)  # the stage's own last lines, in the bench's log
+    if rc:
+        if cap_gib and "out of memory" in text.lower():
+            return {"batch": batch, "fits": False, "memory_cap_gib": cap_gib, "stage_wall_s": wall}
+        raise subprocess.CalledProcessError(rc, cmd)
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     steady, first, last = last_full_window(rows, log_every), rows[0], rows[-1]
     rate = float(steady["samples_per_s"])
-    window = log_every * batch
+    accum = int((base or {}).get("grad_accum_steps", 1))
+    window = log_every * batch * accum
     return {
         "samples_per_s": rate,
         "warmup_s": window / float(first["samples_per_s"]) - window / rate,
@@ -156,6 +188,9 @@ def train_row(work: Path, cache: dict, name: str, batch: int, steps: int, log_ev
         "peak_memory_gib": float(last["peak_memory_mb"]) / 1024 if last["peak_memory_mb"] else None,
         "data_wait": float(steady["data_wait"]),
         "batch": batch,
+        "grad_accum_steps": accum,
+        "fits": True if cap_gib else None,
+        "memory_cap_gib": cap_gib,
         "final_loss": float(last["loss"]),
         "cuda_alloc_retries": json.loads((out / "summary.json").read_text()).get("cuda_alloc_retries"),
     }

@@ -46,6 +46,9 @@ def _step_table(name: str, res: dict, meta: dict) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
+        if r.get("fits") is False:  # out of memory under --memory-cap-gib
+            lines.append(f"| {r['name']} | out of memory under the {r['memory_cap_gib']:g} GiB cap | | | | | |")
+            continue
         r["tflops"] = r["samples_per_s"] * flops / 1e3 if flops else None
         r["mfu"] = r["tflops"] / peak if r["tflops"] and peak else None
         r["vs_baseline"] = r["samples_per_s"] / base if base else None
@@ -53,7 +56,9 @@ def _step_table(name: str, res: dict, meta: dict) -> list[str]:
             f"| {r['name']} | {r['samples_per_s']:.1f} | {_f(r['tflops'], '.0f')} | {_f(r['mfu'], '.0%')} "
             f"| {_f(r['peak_memory_gib'], '.1f')} | {_f(r['warmup_s'], '.0f')} | {_f(r['vs_baseline'], '.2f')}x |"
         )
-    best = max((r["samples_per_s"] for r in res["rows"] if r["kind"] == "sdpipe"), default=None)
+    best = max(
+        (r["samples_per_s"] for r in res["rows"] if r["kind"] == "sdpipe" and r.get("fits") is not False), default=None
+    )
     if name in TARGETS and best is not None:
         res["target"] = {"samples_per_s": TARGETS[name], "best": best, "met": best >= TARGETS[name]}
         lines += [

@@ -41,7 +41,7 @@ def _verdict(got: float | None, target: float | None) -> str:
 
 def _step_lines(preset: str, run: dict) -> list[dict]:
     rows = run["presets"][preset]["rows"]
-    ours = [r for r in rows if r["kind"] == "sdpipe"]
+    ours = [r for r in rows if r["kind"] == "sdpipe" and r.get("fits") is not False]
     if not ours:
         return []
     best = max(ours, key=lambda r: r["samples_per_s"])
@@ -104,7 +104,11 @@ def _latent_verdict(got: float | None, target: float | None, images: int) -> str
 
 def _step_rate(preset: str, batch: int, run: dict) -> float | None:
     return max(
-        (r["samples_per_s"] for r in run["presets"][preset]["rows"] if r["kind"] == "sdpipe" and r["batch"] == batch),
+        (
+            r["samples_per_s"]
+            for r in run["presets"][preset]["rows"]
+            if r["kind"] == "sdpipe" and r["batch"] == batch and r.get("fits") is not False
+        ),
         default=None,
     )
 
