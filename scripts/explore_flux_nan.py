@@ -30,10 +30,30 @@ def run(tag, m, autocast=True, backward=False):
         out = fam.predict(m, lat, t, cond)
     msg = [tag, str(out.dtype), bool(torch.isfinite(out).all()), float(out.detach().float().abs().max())]
     if backward:
+        m.zero_grad(set_to_none=True)
         out.float().pow(2).mean().backward()
-        g = [p.grad for p in m.parameters() if p.requires_grad and p.grad is not None]
-        msg += [len(g), all(bool(torch.isfinite(x).all()) for x in g)]
+        g = {n: p.grad for n, p in m.named_parameters() if p.requires_grad and p.grad is not None}
+        bad = [n for n, x in g.items() if not bool(torch.isfinite(x).all())]
+        msg += [len(g), not bad, bad[:3]]
     print(*msg, flush=True)
+
+
+def first_nonfinite_in_backward(m):
+    """The first module, in backward order, whose input gradient is non-finite while its output gradient is
+    finite: where the NaN or inf is born."""
+    found = []
+
+    def hook(mod, grad_in, grad_out):
+        finite = lambda gs: all(g is None or bool(torch.isfinite(g).all()) for g in gs)  # noqa: E731
+        if not found and finite(grad_out) and not finite(grad_in):
+            found.append(f"{names[mod]} ({type(mod).__name__})")
+
+    names = {mod: n for n, mod in m.named_modules()}
+    handles = [mod.register_full_backward_hook(hook) for mod in names if not list(mod.children())]
+    run("located", m, backward=True)
+    print("first non-finite input gradient:", found or "none", flush=True)
+    for h in handles:
+        h.remove()
 
 
 torch.manual_seed(0)
@@ -47,6 +67,12 @@ run("lora bf16-base autocast", m, backward=True)
 for be in ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):  # cuDNN: H100s pick it
     try:
         with sdpa_kernel(getattr(SDPBackend, be)):
-            run(be, m)
+            run(be, m, backward=True)
     except Exception as e:
         print(be, "failed", type(e).__name__, str(e)[:100])
+first_nonfinite_in_backward(m)
+torch.manual_seed(0)
+m32 = cls.from_config(presets_flow.denoiser_config("tiny-flux")).to(dev)
+add_lora(m32, lora)
+run("lora fp32-base autocast", m32, backward=True)
+run("lora fp32-base no-autocast", m32, autocast=False, backward=True)

@@ -115,6 +115,9 @@ def bench_preset(args, preset: str, device, work: Path) -> dict:
     out: dict = {"resolution": resolution, "rows": [], "latents": []}
     for name, mode in _latent_variants(args.skip):
         count = args.images or default_images
+        if "latents" in args.skip and (cache := pipeline.cached_latents(work, f"{preset}-{mode}", count)):
+            out["latents"].append({"name": name, **cache})  # only feeding the train rows: an earlier call's cache
+            continue
         # The count is in the name: a scratch folder reused with another --images must not feed stale files on.
         raw = pipeline.write_jpegs(work / f"jpeg-{resolution}-{count}", count, resolution)
         log.info("bench %s: latent caching, %s", preset, name)

@@ -86,6 +86,18 @@ def stage_config(work: Path, name: str, model: Path, raw: Path, resolution: int,
     return path
 
 
+def cached_latents(work: Path, name: str, count: int) -> dict | None:
+    """An earlier `cache_latents` of `count` images under this name, for rows that only train on it."""
+    out = work / f"out-{name}"
+    if not (out / "latents.json").is_file() or not (work / f"cache-{name}").is_dir():
+        return None
+    summary = json.loads((out / "latents.json").read_text())
+    if summary.get("items") != count:
+        return None
+    batch = max(summary["batch_sizes"].values(), default=None)
+    return {**summary, "batch": batch, "index": str(out / "index.json"), "config": str(work / f"{name}.yaml")}
+
+
 def cache_latents(work: Path, name: str, model: Path, raw: Path, resolution: int, latents: dict) -> dict:
     """prepare -> caption (once per image set) -> latents on an empty cache; the latents stage's own summary."""
     cfg = stage_config(work, name, model, raw, resolution, latents)
