@@ -149,6 +149,8 @@ class LoraConfig:
     rank: int
     alpha: float
     dropout: float
+    type: str
+    dora: bool
     target_modules: list[str]
 
 
@@ -528,6 +530,11 @@ def _check_folders(cfg: Config) -> None:
 
 def _check_combinations(cfg: Config) -> None:
     """Rules between keys that a per-key schema cannot say."""
+    if cfg.train.lora.dora and cfg.train.lora.type != "lora":
+        raise UserError(
+            f"config: train.lora.dora = true with train.lora.type = {cfg.train.lora.type}: DoRA decomposes a LoRA "
+            "only; set train.lora.type to lora or train.lora.dora to false"
+        )
     if cfg.train.mode == "lora" and cfg.train.text_encoder.mode == "full":
         raise UserError(
             "config: train.mode = lora with train.text_encoder.mode = full: a LoRA file cannot carry a "

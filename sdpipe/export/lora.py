@@ -42,17 +42,33 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
         raise UserError(f"cannot read a diffusers LoRA ({LORA_FILE}) at {lora}: {exc}") from None
     if not state:
         raise UserError(f"{path} holds no tensors: not a LoRA")
-    odd = [k for k in state if not (k.split(".")[0] in families.components() and k.endswith((_DOWN, _UP)))]
+    odd = [k for k in state if not (k.split(".")[0] in families.components() and _adapter_tensor(k))]
     if odd:
         raise UserError(
-            f"{path} is not a diffusers LoRA of UNet/text encoders (unexpected tensor {odd[0]}); "
-            "DoRA and LoRA biases are not exported"
+            f"{path} is not a diffusers/peft adapter of UNet/text encoders (unexpected tensor {odd[0]}); "
+            "LoRA biases are not exported"
         )
     configs: dict[str, dict] = {}
     for key, value in json.loads(meta.get("lora_adapter_metadata", "{}")).items():
         component, _, field = key.partition(".")
         configs.setdefault(component, {})[field] = value
     return state, configs
+
+
+def _adapter_tensor(key: str) -> bool:
+    from sdpipe.export.dora import MAGNITUDE
+    from sdpipe.export.lycoris import KINDS
+
+    return key.endswith((_DOWN, _UP, MAGNITUDE)) or key.rpartition(".")[2] in KINDS
+
+
+def adapted_shapes(state: dict) -> dict[tuple[str, str], tuple[int, int]]:
+    """(component, module) -> the (out, in) features of the layer each adapter (LoRA, LoHa or LoKr) adapts."""
+    from sdpipe.export import lycoris
+
+    if lycoris.kind_of(state):
+        return {layer: lycoris.out_in(tensors) for layer, tensors in lycoris.layers(state).items()}
+    return {layer: (up.shape[0], down.shape[1]) for layer, (down, up) in lora_modules(state).items()}
 
 
 def lora_modules(state: dict) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
@@ -99,12 +115,15 @@ def _kohya_layer(family: families.Family, component: str, module: str) -> tuple[
 
 
 def kohya_state_dict(
-    state: dict, configs: dict[str, dict], family: str, out_features: dict | None = None
+    state: dict, configs: dict[str, dict], family: str, out_features: dict | None = None, base: dict | None = None
 ) -> dict[str, torch.Tensor]:
     """The kohya tensors of a diffusers LoRA. Where the original layout fuses layers (SD 3's and Flux's q, k and
     v), their adapters become one: the downs stacked, the ups block-diagonal with each one's scale folded in (alpha
-    = rank), and zeros for a fused part the LoRA does not adapt (its output size from `out_features`)."""
-    fam, modules = families.named(family), lora_modules(state)
+    = rank), and zeros for a fused part the LoRA does not adapt (its output size from `out_features`). A DoRA
+    layer also gets its dora_scale, from the base weight in `base` (sdpipe.export.dora)."""
+    from sdpipe.export import dora
+
+    fam, modules, mags = families.named(family), lora_modules(state), dora.magnitudes(state)
     unconfigured = sorted({c for c, _ in modules} - configs.keys())
     if unconfigured:
         log.warning(
@@ -121,6 +140,15 @@ def kohya_state_dict(
         if len(parts) == 1:
             down, up = modules[component, parts[0]]
             alpha = _alpha(configs.get(component, {}), parts[0], down.shape[0])
+            if (component, parts[0]) in mags:
+                update = up.float().flatten(1) @ down.float().flatten(1) * (alpha / down.shape[0])
+                magnitude, weight = mags[component, parts[0]], (base or {})[component, parts[0]]
+                kohya[f"{name}.dora_scale"] = dora.comfyui_scale(magnitude, weight, update).to(up.dtype)
+        elif any((component, p) in mags for p in parts):
+            raise UserError(
+                f"{fam.title}'s kohya format fuses {', '.join(parts)} into {original}; a DoRA of fused layers "
+                "cannot be written there: train.lora.dora false exports them"
+            )
         else:
             down, up = _fused(component, parts, modules, configs, out_features or {})
             alpha = down.shape[0]
@@ -189,7 +217,7 @@ def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
     """Every adapted layer must exist in the base model with the (out, in) shape the LoRA was trained on."""
     root, _ = loading.model_index(str(base_model))
     family = loading.pipeline_family(str(base_model))
-    modules, fail = lora_modules(state), f"LoRA {lora} does not match base model {base_model}"
+    modules, fail = adapted_shapes(state), f"LoRA {lora} does not match base model {base_model}"
     layers = {}
     for component in sorted({c for c, _ in modules}):
         if not (root / component).is_dir():
@@ -200,12 +228,12 @@ def _check_state(state: dict, base_model: str | Path, lora: str | Path) -> None:
                 for n, m in meta_model(root, component, family).named_modules()
             }
         )
-    for (component, module), (down, up) in modules.items():
+    for (component, module), got in modules.items():
         layer = layers.get((component, module.removeprefix("text_model.")))
         if not isinstance(getattr(layer, "weight", None), torch.Tensor):
             raise UserError(f"{fail}: its {component} has no layer {module}")
-        want, got = tuple(layer.weight.shape[:2]), (up.shape[0], down.shape[1])  # (out, in) features/channels
-        if want != got:
+        want = tuple(layer.weight.shape[:2])  # (out, in) features/channels
+        if got not in (want, (want[0], layer.weight[0].numel())):  # a LyCORIS conv factor counts the kernel too
             raise UserError(
                 f"{fail}: {component} layer {module} maps {want[1]}->{want[0]} features in the base "
                 f"model but {got[1]}->{got[0]} in the LoRA"
@@ -222,10 +250,18 @@ def export_kohya(lora: str | Path, out: str | Path, base_model: str | Path, meta
     (whose family also picks the text-encoder prefixes); `metadata` goes into its header (sdpipe.export.metadata)."""
     from safetensors.torch import save_file
 
+    from sdpipe.export.lycoris import kind_of, lycoris_state_dict
+
     state, configs = read_lora(lora)
     _check_state(state, base_model, lora)
     family = loading.family_of(str(base_model))
-    kohya = kohya_state_dict(state, configs, family.name, out_features(base_model, family.denoiser))
+    if kind_of(state):
+        kohya = lycoris_state_dict(state, configs, family.name)
+    else:
+        from sdpipe.export.dora import base_weights, magnitudes
+
+        base = base_weights(base_model, list(magnitudes(state))) if magnitudes(state) else None
+        kohya = kohya_state_dict(state, configs, family.name, out_features(base_model, family.denoiser), base)
     with io.atomic_path(out) as tmp:
         save_file(kohya, str(tmp), metadata={"format": "pt", **(metadata or {})})
     return Path(out)

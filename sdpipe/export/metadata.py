@@ -60,12 +60,18 @@ def file_metadata(cfg: Config, info: dict, model: Path, adapter: dict | None = N
         "ss_output_name": name or _default_stem(lora),  # kohya's: the name the file was saved under
     }
     if lora:
+        from sdpipe.export.lycoris import NETWORK_ARGS
+
         rank = adapter.get("r", cfg.train.lora.rank)
+        kind = str(adapter.get("peft_type", "LORA")).lower()
         meta |= {
-            "ss_network_module": "networks.lora",
+            # LyCORIS' own marks, which kohya's and A1111's readers key on
+            "ss_network_module": "lycoris.kohya" if kind in NETWORK_ARGS else "networks.lora",
             "ss_network_dim": str(rank),
-            "ss_network_alpha": str(adapter.get("lora_alpha", rank)),
+            "ss_network_alpha": str(adapter.get("lora_alpha", adapter.get("alpha", rank))),
         }
+        if kind in NETWORK_ARGS:
+            meta["ss_network_args"] = NETWORK_ARGS[kind]
     return meta
 
 

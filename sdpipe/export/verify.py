@@ -90,11 +90,26 @@ def trained_pipeline(
         model.pretrained, model.revision, model.variant, device, dtype, prediction_type=prediction_type, **parts
     )
     if "lora" in components.values():
+        load_adapter(pipe, source, fuse)
+    return pipe
+
+
+def load_adapter(pipe, source: Path, fuse: bool) -> None:
+    """The trained adapter file into `pipe`: a LoRA as users load one (load_lora_weights); a LoHa or LoKr, which
+    diffusers does not read, through peft's injection (sdpipe.export.lycoris)."""
+    from sdpipe.export import lycoris
+    from sdpipe.export.lora import read_lora
+
+    state, configs = read_lora(source)
+    if lycoris.kind_of(state) is None:
         pipe.load_lora_weights(str(source))
         if fuse:
             pipe.fuse_lora()
             pipe.unload_lora_weights()
-    return pipe
+        return
+    lycoris.load_peft(pipe, state, configs)
+    if fuse:
+        lycoris.merge_and_unload(pipe)
 
 
 def render(pipe, check: Check) -> np.ndarray:
@@ -202,35 +217,53 @@ def loras(
             check.dtype,
             prediction_type=check.prediction_type,
         )
-        loader = _load_lora(pipe, path, name, family, model.pretrained)
-        applied = adapted_layers(pipe)
+        loader, applied = _load_lora(pipe, path, name, family, model.pretrained)
         result = compare(name, render(pipe, check), reference, check, path=str(path), loader=loader)
         results[name] = {**result, "adapted_layers": applied, "verified": result["verified"] and applied > 0}
     return results
 
 
-def _load_lora(pipe, path: Path, kind: str, family, base_model: str) -> str:
+def _load_lora(pipe, path: Path, kind: str, family, base_model: str) -> tuple[str, int]:
     """Load the LoRA file `path` into `pipe` as users do: the diffusers one by folder and weight_name (the way a
-    renamed diffusers LoRA loads), a kohya one by path, or through sdpipe's reader where diffusers reads none."""
+    renamed diffusers LoRA loads), a kohya one by path, or through sdpipe's reader where diffusers reads none.
+    Returns how it was loaded and how many layers it adapted."""
+    from sdpipe.export import lycoris
+    from sdpipe.export.lora import read_lora
+
+    state, configs = read_lora(path) if kind == "lora" else ({}, {})
+    if kind == "lora" and lycoris.kind_of(state):
+        layers = lycoris.load_peft(pipe, state, configs)
+        return "peft inject_adapter_in_model + set_peft_model_state_dict (diffusers reads no LyCORIS)", layers
     if kind == "lora":
         pipe.load_lora_weights(str(path.parent), weight_name=path.name)
-        return "load_lora_weights"
+        return "load_lora_weights", adapted_layers(pipe)
+    if _read_by_sdpipe(path):  # LyCORIS or DoRA, merged as ComfyUI applies them (diffusers drops dora_scale)
+        return "sdpipe.export.lycoris.merge_file (ComfyUI's arithmetic)", lycoris.merge_file(pipe, path, family.name)
     if family.diffusers_reads_kohya:
         pipe.load_lora_weights(str(path))
-        return "load_lora_weights"
+        return "load_lora_weights", adapted_layers(pipe)
     from safetensors.torch import load_file
 
     from sdpipe.export.lora import diffusers_from_kohya, out_features
 
     state = diffusers_from_kohya(load_file(str(path)), family.name, out_features(base_model, family.denoiser))
     pipe.load_lora_weights(state)
-    return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights"
+    return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights", adapted_layers(pipe)
 
 
 def adapted_layers(pipe) -> int:
-    """How many layers of the pipeline carry a LoRA: diffusers only warns when a file's keys match nothing, and
-    such a LoRA would render like the base model, which a barely trained LoRA also does."""
-    from peft.tuners.lora import LoraLayer
+    """How many layers of the pipeline carry an adapter: diffusers only warns when a file's
+    keys match nothing, and such a LoRA would render like the base model, which a barely trained LoRA also does."""
+    from sdpipe.export.lycoris import adapter_layers
 
-    models = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    return sum(isinstance(layer, LoraLayer) for m in models for layer in m.modules())
+    return adapter_layers(pipe)
+
+
+def _read_by_sdpipe(path: Path) -> bool:
+    from safetensors import safe_open
+
+    from sdpipe.export.lycoris import kind_of
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = dict.fromkeys(f.keys())
+    return kind_of(keys) is not None or any(k.endswith(".dora_scale") for k in keys)

@@ -28,19 +28,11 @@ def add_lora(
     key: str = "train.lora.target_modules",
     typical: str = "to_q, to_k, to_v, to_out.0",
 ) -> None:
-    """Freeze `model` (a UNet or a text encoder) and add peft LoRA adapters on the target modules."""
-    from peft import LoraConfig
-
+    """Freeze `model` (a UNet or a text encoder) and add peft adapters (train.lora.type) on the target modules."""
     targets = list(target_modules or lora_cfg.target_modules)
     _check_targets(model, targets, key, typical)
     model.requires_grad_(False)
-    config = LoraConfig(
-        r=lora_cfg.rank,
-        lora_alpha=lora_cfg.alpha,
-        lora_dropout=lora_cfg.dropout,
-        init_lora_weights="gaussian",
-        target_modules=targets,
-    )
+    config = adapter_config(lora_cfg, targets)
     if hasattr(model, "set_adapters"):  # a diffusers model
         model.add_adapter(config)
     else:
@@ -50,6 +42,30 @@ def add_lora(
 
         inject_adapter_in_model(config, model, adapter_name="default")
         model.peft_config = {"default": config}
+
+
+def adapter_config(lora_cfg, targets: list[str]):
+    """peft's config for train.lora. Each starts as an identity (an update of zero): LoRA and DoRA with B = 0,
+    LoHa with one factor's second matrix 0, LoKr with its second factor 0."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if lora_cfg.type == "loha":
+        return LoHaConfig(
+            r=lora_cfg.rank, alpha=lora_cfg.alpha, module_dropout=lora_cfg.dropout, target_modules=targets
+        )
+    if lora_cfg.type == "lokr":
+        # peft's default layout is LyCORIS' default too: the small factor w1 whole, the large w2 as w2_a @ w2_b
+        return LoKrConfig(
+            r=lora_cfg.rank, alpha=lora_cfg.alpha, module_dropout=lora_cfg.dropout, target_modules=targets
+        )
+    return LoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        init_lora_weights="gaussian",
+        use_dora=lora_cfg.dora,
+        target_modules=targets,
+    )
 
 
 def add_text_lora(encoder, cfg: Config) -> None:
