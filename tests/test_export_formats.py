@@ -244,7 +244,7 @@ def test_lora_without_metadata_or_not_diffusers(built, tmp_path) -> None:
     save_file(load_file(tiny_lora / lora_export.LORA_FILE), tmp_path / lora_export.LORA_FILE)
     kohya = load_file(lora_export.export_kohya(tmp_path, tmp_path / "k.safetensors", tiny))
     assert {v.item() for k, v in kohya.items() if k.endswith(".alpha")} == {RANK}
-    with pytest.raises(UserError, match="not a diffusers LoRA"):
+    with pytest.raises(UserError, match="not a diffusers/peft adapter"):
         lora_export.read_lora(tmp_path / "k.safetensors")  # a kohya file is not an input
     with pytest.raises(UserError, match="cannot read a diffusers LoRA"):
         lora_export.read_lora(tmp_path / "missing")

@@ -1,7 +1,7 @@
 """Issue 29's training features from a template through the whole DAG on the tiny preset: `sdpipe init --template
 sd15-lora`, then `snakemake --profile runpod` with mask files beside half the photos, tag captions shuffled into
-cached variants, a second resolution, a regularisation folder, 8-bit AdamW and the held-out loss. One run covers
-them all, to keep the suite's time."""
+cached variants, a second resolution, a regularisation folder, 8-bit AdamW, the held-out loss and a LoHa adapter
+instead of a LoRA. One run covers them all, to keep the suite's time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FEATURES = {
     "data": {"masks": {"source": "file"}},
     "latents": {"tags": {"shuffle": True, "keep_first": 1, "variants": 3}},
     "prepare": {"eval_fraction": 0.5, "buckets": {"also_at": [48]}},  # some photos held out (by content id)
-    "train": {"optimizer": "adamw_8bit", "validation": {"heldout_every": 1}},
+    "train": {"optimizer": "adamw_8bit", "validation": {"heldout_every": 1}, "lora": {"type": "loha"}},
 }
 
 
@@ -80,4 +80,14 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     rows = (project / "results/train/metrics.csv").read_text().splitlines()
     heldout = [line.split(",")[-1] for line in rows[1:]]
     assert rows[0].endswith(",heldout_loss") and len(heldout) == 3 and all(float(v) > 0 for v in heldout)
-    assert all(result["verified"] for result in read("results/export/summary.json")["formats"].values())
+    formats = read("results/export/summary.json")["formats"]
+    assert all(result["verified"] for result in formats.values())
+    assert set(formats) >= {"diffusers", "lora", "lora_kohya"}
+    assert "merge_file" in formats["lora_kohya"]["loader"], "the LyCORIS file read with ComfyUI's arithmetic"
+    from safetensors import safe_open
+
+    with safe_open(str(project / formats["lora_kohya"]["path"]), framework="pt") as f:
+        keys, meta = list(f.keys()), f.metadata()
+    assert any(k.endswith(".hada_w1_a") for k in keys) and meta["ss_network_module"] == "lycoris.kohya"
+    card = (project / "results/card/README.md").read_text()
+    assert "LoHa (LyCORIS)" in card and "pipe.load_lora_weights" not in card, "diffusers reads no LoHa file"

@@ -36,14 +36,21 @@ def q(text: str) -> str:
     return json.dumps(str(text), ensure_ascii=False)
 
 
+def adapter(facts: dict) -> str:
+    """The adapter's name for the reader: LoRA, DoRA, or LyCORIS' LoHa or LoKr (train.lora)."""
+    lora = facts.get("lora_settings") or {}
+    kind = lora.get("type", "lora")
+    return {"loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}.get(kind, "DoRA" if lora.get("dora") else "LoRA")
+
+
 def title(facts: dict) -> str:
-    what = "LoRA" if facts["lora"] else "fine-tune"
+    what = adapter(facts) if facts["lora"] else "fine-tune"
     return facts["name"] or f"{Path(facts['base']).name} {what}"
 
 
 def intro(facts: dict) -> str:
     kind = "DreamBooth " if facts["dreambooth"] else ""
-    kind += "LoRA" if facts["lora"] else "full fine-tune"
+    kind += adapter(facts) if facts["lora"] else "full fine-tune"
     text = f"A {kind} of `{facts['base']}` ({facts['family']}), trained and exported with sdpipe."
     if facts["license"] == "other":
         text += (
@@ -57,11 +64,11 @@ def model_section(facts: dict) -> str:
     lora = facts["lora_settings"]
     rows = [["base model", f"`{facts['base']}`"], ["family", facts["family"]]]
     for component, mode in facts["components"].items():
-        detail = f"LoRA, rank {lora['rank']}, alpha {lora['alpha']}" if mode == "lora" else "full fine-tune"
+        detail = f"{adapter(facts)}, rank {lora['rank']}, alpha {lora['alpha']}" if mode == "lora" else "full fine-tune"
         rows.append([component.replace("_", " "), detail])
     if facts["lora"]:
         denoiser = next(iter(facts["components"]), "unet")  # the denoiser comes first: unet or transformer
-        rows.append([f"LoRA target modules ({denoiser})", ", ".join(lora["target_modules"])])
+        rows.append([f"adapter target modules ({denoiser})", ", ".join(lora["target_modules"])])
     if "text_encoder" not in facts["components"]:
         rows.append(["text encoder", "frozen (not trained)"])
     return "## Model\n\n" + table(["", ""], rows)
@@ -145,7 +152,22 @@ def usage_section(facts: dict) -> str:
         f"guidance_scale={sampling['guidance']}).images[0]"
     )
     head = ["```python", "import torch", f"from diffusers import {pipeline}", ""]
-    if facts["lora"]:
+    lycoris = (facts.get("lora_settings") or {}).get("type", "lora") != "lora"
+    if facts["lora"] and lycoris:  # diffusers reads no LoHa/LoKr: the folder with the adapter merged in
+        code = [
+            f"pipe = {pipeline}.from_pretrained({q(formats['diffusers']['path'])}, "
+            f'torch_dtype=torch.float16).to("cuda")'
+        ]
+        kohya = formats.get("lora_kohya")
+        alt = (
+            f"\n\nThe LyCORIS file `{kohya['path']}` goes into A1111's, Forge's or ComfyUI's LoRA folder (A1111 "
+            f"prompt: `<lora:{Path(kohya['path']).stem}:1>`). diffusers reads no {adapter(facts)} file, which is "
+            "why the pipeline folder holds the adapter merged in."
+            if kohya
+            else ""
+        )
+        text = f"The pipeline with the {adapter(facts)} merged in:"
+    elif facts["lora"]:
         weight = Path(formats["lora"]["path"])
         base = facts["base_hub_id"] or facts["base"]
         # A single-file base (A1111/ComfyUI checkpoint) loads with from_single_file; its configs are the export's.
@@ -159,8 +181,15 @@ def usage_section(facts: dict) -> str:
             f"pipe.load_lora_weights({q(weight.parent)}, weight_name={q(weight.name)})",
         ]
         kohya = formats.get("lora_kohya")
+        dora = (facts.get("lora_settings") or {}).get("dora")
         alt = (
             (
+                f"\n\nThe kohya file `{kohya['path']}` goes into ComfyUI's or Forge's LoRA folder (A1111 reads DoRA "
+                "only along the input axis and renders it differently); diffusers drops its `dora_scale`, so load "
+                "the peft file above."
+            )
+            if kohya and dora
+            else (
                 f"\n\nThe kohya file `{kohya['path']}` goes into A1111's or ComfyUI's LoRA folder (A1111 prompt: "
                 f"`<lora:{Path(kohya['path']).stem}:1>`); diffusers loads it too: "
                 f"`pipe.load_lora_weights({q(kohya['path'])})`."
@@ -168,7 +197,7 @@ def usage_section(facts: dict) -> str:
             if kohya
             else ""
         )
-        text = "The LoRA on its base model:"
+        text = f"The {adapter(facts)} on its base model:"
     else:
         code = [
             f"pipe = {pipeline}.from_pretrained({q(formats['diffusers']['path'])}, "
