@@ -46,9 +46,20 @@ class RegularisationConfig:
 
 
 @dataclass(frozen=True)
+class ConceptConfig:
+    folder: str
+    repeats: int | None
+    weight: float
+    caption: str | None
+    caption_prefix: str | None
+    resolution: int | None
+
+
+@dataclass(frozen=True)
 class DataConfig:
     raw_dir: str
     caption_extensions: list[str]
+    concepts: list[ConceptConfig]
     regularisation: list[RegularisationConfig]
     masks: MasksConfig
 

@@ -40,7 +40,8 @@ class ManifestRow(TypedDict):
     folder: str  # the N_name folder's name, the {folder} of caption templates
     sidecar: str | None  # the sidecar caption's text
     sidecar_path: str | None
-    # data.regularisation rows also carry "loss_weight" (float) and, with a folder caption, "fixed_caption": true
+    # data.regularisation rows also carry "loss_weight" (float) and, with a folder caption, "fixed_caption": true;
+    # data.concepts rows may carry those and "caption_prefix" (str)
 
 
 class CaptionRow(TypedDict):

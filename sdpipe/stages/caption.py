@@ -134,6 +134,13 @@ def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]
     return items, devices
 
 
+def with_prefix(caption: str | None, prefix: str | None) -> str | None:
+    """A data.concepts caption_prefix before the caption ("sks" + "a dog" -> "sks, a dog"), unless it starts so."""
+    if not caption or not prefix or caption.startswith(prefix):
+        return caption
+    return f"{prefix}, {caption}"
+
+
 def _output_row(item: Item) -> CaptionRow:
     row = item.row
     error = None if item.caption else (item.error or NO_CAPTION)
@@ -142,7 +149,7 @@ def _output_row(item: Item) -> CaptionRow:
         "id": row["id"],
         "path": row["path"],
         "split": row.get("split"),
-        "caption": item.caption,
+        "caption": with_prefix(item.caption, row.get("caption_prefix")),
         "source": item.source,
         "provenance": item.provenance,
         "error": error,

@@ -261,6 +261,43 @@ def also_at_rows(cfg: Config, train_rows: list[dict]) -> list[dict]:
     return extra
 
 
+def apply_concepts(cfg: Config, rows: list[dict]) -> dict:
+    """data.concepts: each row under an entry's folder (the deepest entry that matches) takes that entry's repeats,
+    loss weight, caption, caption prefix and bucket resolution; returns the images per entry. An entry whose folder
+    does not exist or holds no usable image is a one-line error."""
+    from sdpipe.buckets import assign_bucket, make_buckets
+
+    b, counts = cfg.prepare.buckets, {}
+    entries = sorted(cfg.data.concepts, key=lambda c: -len(Path(c.folder).parts))  # deepest first
+    for entry in entries:
+        if not (Path(cfg.data.raw_dir) / entry.folder).is_dir():
+            raise UserError(
+                f"data.concepts: folder {entry.folder} does not exist under data.raw_dir {cfg.data.raw_dir}"
+            )
+        counts[entry.folder] = 0
+    for row in rows:
+        parents = Path(row["path"]).parents
+        entry = next((c for c in entries if Path(c.folder) in parents), None)
+        if entry is None:
+            continue
+        counts[entry.folder] += 1
+        if entry.repeats is not None:
+            row["repeats"] = entry.repeats
+        if entry.weight != 1.0:
+            row["loss_weight"] = entry.weight
+        if entry.caption:
+            row.update(sidecar=entry.caption, fixed_caption=True)
+        if entry.caption_prefix:
+            row["caption_prefix"] = entry.caption_prefix
+        if entry.resolution:
+            buckets = make_buckets(entry.resolution, b.step, b.max_aspect)
+            row["bucket"] = list(assign_bucket(row["width"], row["height"], buckets))
+    empty = [folder for folder, n in counts.items() if n == 0]
+    if empty:
+        raise UserError(f"data.concepts: folder {empty[0]} holds no usable image")
+    return counts
+
+
 def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict], dict]:
     """data.regularisation's folders: training rows with their folder's loss weight, repeats and caption; and a
     summary per folder. A folder that is missing or holds no usable image is a one-line error."""
@@ -296,6 +333,8 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     out.rejected.sort(key=lambda r: r["path"])
     _check_usable(cfg, out, len(images))
     summary = summarize(cfg, out, len(images) + len(sidecars), params)
+    if cfg.data.concepts:
+        summary["concepts"] = apply_concepts(cfg, out.rows)
     rows = out.rows
     if cfg.dreambooth.enabled:
         instance_samples = sum(r["repeats"] for r in rows if r["split"] == "train")
