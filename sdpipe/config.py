@@ -541,6 +541,12 @@ def _check_folders(cfg: Config) -> None:
 
 def _check_combinations(cfg: Config) -> None:
     """Rules between keys that a per-key schema cannot say."""
+    if cfg.train.optimizer == "adamw_schedulefree" and cfg.train.lr_scheduler != "constant":
+        raise UserError(
+            f"config: train.optimizer = adamw_schedulefree with train.lr_scheduler = {cfg.train.lr_scheduler}: a "
+            "schedule-free optimizer replaces the decaying schedule; set train.lr_scheduler to constant (its warm-up "
+            "is train.lr_warmup_steps)"
+        )
     if cfg.train.lora.dora and cfg.train.lora.type != "lora":
         raise UserError(
             f"config: train.lora.dora = true with train.lora.type = {cfg.train.lora.type}: DoRA decomposes a LoRA "

@@ -65,3 +65,29 @@ def test_a_missing_library_stops_the_config_check_in_one_line(monkeypatch, tmp_p
         optimizers.check_available("prodigy")
     with pytest.raises(UserError, match="train.optimizer = 'lion' is not allowed"):
         config.from_dict({"train": {"optimizer": "lion"}})
+
+
+def test_schedule_free_is_used_at_its_averaged_weights():
+    """Schedule-free AdamW trains at one point and is used at the average of its iterates: eval_weights swaps the
+    average in (for validation, the held-out loss, checkpoints and the saved model) and the training point back."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 2)
+    opt = optimizers.build([{"params": list(layer.parameters())}], _train("adamw_schedulefree"))
+    for _ in range(5):
+        opt.zero_grad()
+        layer(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    point = layer.weight.detach().clone()
+    with optimizers.eval_weights(opt, when=False):
+        assert torch.equal(layer.weight, point), "no swap on a step where nothing is due"
+    with optimizers.eval_weights(opt):
+        average = layer.weight.detach().clone()
+    assert not torch.allclose(average, point)
+    torch.testing.assert_close(layer.weight.detach(), point)  # back at the training point
+    with optimizers.eval_weights(torch.optim.AdamW(layer.parameters())):  # one set of weights: nothing to swap
+        torch.testing.assert_close(layer.weight.detach(), point)
+
+
+def test_schedule_free_needs_a_constant_schedule():
+    with pytest.raises(UserError, match="adamw_schedulefree with train.lr_scheduler = cosine"):
+        config.from_dict({"train": {"optimizer": "adamw_schedulefree", "lr_scheduler": "cosine"}})

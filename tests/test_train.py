@@ -131,6 +131,18 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, cache):
     assert [r["loss"] for r in metrics(tmp_path / "resumed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
 
 
+def test_a_schedule_free_run_resumes_exactly(tmp_path, cache):
+    """Its checkpoints hold the averaged weights (eval mode) and the run trains on from its iterate after a resume:
+    the swaps at checkpoints and at the final save change nothing against an uninterrupted run."""
+    sf = {"optimizer": "adamw_schedulefree", "lr_scheduler": "constant", "max_steps": 4}
+    train(tmp_path, cache, "straight", **sf)
+    train(tmp_path, cache, "resumed", **sf)
+    _drop_after(tmp_path / "resumed", 2)
+    assert "resuming from" in train(tmp_path, cache, "resumed", **sf).stderr
+    assert_same_weights(unet_weights(tmp_path / "resumed"), unet_weights(tmp_path / "straight"), 1e-6)
+    assert [r["loss"] for r in metrics(tmp_path / "resumed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, cache):
     """Issue 26, item 6: resume crashed on a damaged newest checkpoint instead of using the older one."""
     train(tmp_path, cache, "straight", max_steps=4)

@@ -21,7 +21,7 @@ from sdpipe import config, io
 from sdpipe.errors import UserError
 from sdpipe.log import progress
 from sdpipe.records import TrainSummary
-from sdpipe.train import accounting, checkpoint, heldout, lifeline, objective, trackers
+from sdpipe.train import accounting, checkpoint, heldout, lifeline, objective, optimizers, trackers
 from sdpipe.train.data import LatentData
 from sdpipe.train.models import (
     MIXED,
@@ -376,11 +376,20 @@ def optimizer_step(run: Run) -> None:
     run.step += 1
 
 
+def validation_due(run: Run) -> bool:
+    v = run.cfg.train.validation
+    return bool(v.every and v.prompts and (run.step % v.every == 0 or finished(run)))
+
+
+def checkpoint_due(run: Run) -> bool:
+    every = run.cfg.train.checkpoint_every
+    return bool(every and (run.step % every == 0 or finished(run)))
+
+
 def maybe_validate(run: Run) -> None:
     """Every rank renders its share of the fixed prompts x seeds grid (validation.every steps and at the end)."""
     v = run.cfg.train.validation
-    last = finished(run)
-    if not v.every or not v.prompts or (run.step % v.every and not last):
+    if not validation_due(run):
         return
     from sdpipe.train.validation import render
 
@@ -436,15 +445,16 @@ def train_epoch(run: Run) -> bool:
             samples += len(mine)
             run.state = run.sampler.advance(run.state, chunk)
         optimizer_step(run)
-        with run.telemetry.paused():
-            held = heldout.loss(run) if heldout.due(run) else None
+        due = heldout.due(run)
+        with run.telemetry.paused(), optimizers.eval_weights(run.optimizer, when=due):
+            held = heldout.loss(run) if due else None
         run.telemetry.step(run, loss_sum, samples, step_samples, held)
         if run.advance_bar:
             run.advance_bar(1)
-        with run.telemetry.paused():
+        due = validation_due(run) or checkpoint_due(run)
+        with run.telemetry.paused(), optimizers.eval_weights(run.optimizer, when=due):
             maybe_validate(run)
-            every = run.cfg.train.checkpoint_every
-            if every and (run.step % every == 0 or finished(run)):
+            if checkpoint_due(run):
                 check_finite(run, run.telemetry.window_loss())  # never checkpoint a diverged model
                 save_checkpoint(run)
         if finished(run):
@@ -528,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             logging.getLogger().setLevel(logging.WARNING)
         resume(run)
+        optimizers.train_mode(run.optimizer)
         run.telemetry = Telemetry(run, started)
         log.info("\n%s", accounting.summary_block(run.plan))
         seen_before, start = run.state.samples_seen_total, time.perf_counter()
@@ -539,19 +550,20 @@ def main(argv: list[str] | None = None) -> int:
             while not finished(run) and not train_epoch(run):
                 pass
         if run.cfg.train.save_final:
-            save_final(
-                run.accelerator,
-                run.trained(),
-                run.modes(),
-                run.out / "final",
-                {
-                    "base": run.cfg.model.pretrained,
-                    "family": run.data.index["model"]["family"],
-                    "prediction_type": run.prediction_type,
-                    "optimizer_steps": run.step,
-                },
-                run.ema,
-            )
+            with optimizers.eval_weights(run.optimizer):
+                save_final(
+                    run.accelerator,
+                    run.trained(),
+                    run.modes(),
+                    run.out / "final",
+                    {
+                        "base": run.cfg.model.pretrained,
+                        "family": run.data.index["model"]["family"],
+                        "prediction_type": run.prediction_type,
+                        "optimizer_steps": run.step,
+                    },
+                    run.ema,
+                )
         warn_about_alloc_retries(run)
         write_summary(run, Path(args.summary), time.perf_counter() - start, run.state.samples_seen_total - seen_before)
         run.telemetry.close()

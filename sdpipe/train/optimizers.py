@@ -1,14 +1,18 @@
 """The optimizers `train.optimizer` names, each from the library that does it well: torch's fused AdamW,
 bitsandbytes' 8-bit and paged 8-bit AdamW (moments stored as 8-bit blocks: a quarter of fp32's optimizer state,
 which fits SDXL LoRA and larger on 24 GB), Prodigy (prodigyopt: estimates the step size itself, so
-train.learning_rate is a multiplier, 1.0) and Adafactor (transformers: factored second moments, no first moment).
+train.learning_rate is a multiplier, 1.0), Adafactor (transformers: factored second moments, no first moment) and
+schedule-free AdamW (schedulefree: no decaying learning-rate schedule; the model is used at an average of the
+iterates, which `eval_weights` swaps in).
 The optional libraries install with `pip install 'sdpipe[optimizers]'`; a run that names one that does not load
 stops in the config check, before any work."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 from sdpipe.errors import UserError
@@ -25,6 +29,7 @@ LIBRARIES = {
     "paged_adamw_8bit": ("bitsandbytes", "bitsandbytes"),
     "prodigy": ("prodigyopt", "prodigyopt"),
     "adafactor": ("transformers", "transformers"),
+    "adamw_schedulefree": ("schedulefree", "schedulefree"),
 }
 
 
@@ -94,12 +99,50 @@ def _adafactor(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
     )
 
 
+def _schedulefree(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
+    # The warm-up is sdpipe's scheduler's (train.lr_warmup_steps), which sets each group's lr as the optimizer's
+    # own warmup_steps would.
+    opt = _import("adamw_schedulefree").AdamWScheduleFree(
+        groups,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+    )
+    opt.train()  # it steps only in train mode
+    return opt
+
+
+@contextlib.contextmanager
+def eval_weights(optimizer, when: bool = True) -> Iterator[None]:
+    """Inside, the model holds the weights it is used with. A schedule-free optimizer trains at one point (y) and
+    is used at the average of its iterates (x): its eval() swaps x in and train() swaps y back. Other optimizers
+    have one set of weights, and so does a step where `when` is false (the swap costs a pass over the weights)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    switch = when and callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None))
+    if switch:
+        inner.eval()
+    try:
+        yield
+    finally:
+        if switch:
+            inner.train()
+
+
+def train_mode(optimizer) -> None:
+    """After a resume: a checkpoint saved with the averaged weights in (eval_weights) trains on from the iterate."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if callable(getattr(inner, "train", None)):
+        inner.train()
+
+
 BUILDERS: dict[str, Callable[[list[dict], TrainConfig], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "adamw_8bit": _bitsandbytes("AdamW8bit"),
     "paged_adamw_8bit": _bitsandbytes("PagedAdamW8bit"),
     "prodigy": _prodigy,
     "adafactor": _adafactor,
+    "adamw_schedulefree": _schedulefree,
 }
 
 
