@@ -88,7 +88,7 @@ def _latent_lines(preset: str, run: dict) -> list[dict]:
             "what": what,
             "sdpipe": cell(ours),
             "target": _f(target, "g"),
-            # With --skip latents a call still caches compiled, for its training rows: no eager run to compare.
+            # With --skip latents a call caches once (eager), for its training rows: nothing to compare.
             "baseline": cell(eager) if eager and compiled else "none: the cache for this call's training rows",
             "got": got,
             "verdict": _latent_verdict(got, target, ours["encoded"]),
