@@ -358,3 +358,11 @@ def test_the_allocator_cap_is_a_fraction_of_the_first_gpu(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env = pipeline.capped_allocator_env(24.0)
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.3000"
+
+
+def test_template_rows_are_not_held_to_the_full_fine_tune_target(tmp_path):
+    results = _results(170.0, 450.0)
+    rows = results["presets"]["sd15"]["rows"]
+    rows[1]["template"] = "sd15-lora"  # a LoRA row: issue 5's full fine-tune target is not its yardstick
+    table = report.write(results, tmp_path, "bench-template")
+    assert "Target 160 samples/s" not in table
