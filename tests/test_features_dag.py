@@ -91,3 +91,46 @@ def test_a_template_job_trains_with_every_feature_through_the_whole_dag(tmp_path
     assert any(k.endswith(".hada_w1_a") for k in keys) and meta["ss_network_module"] == "lycoris.kohya"
     card = (project / "results/card/README.md").read_text()
     assert "LoHa (LyCORIS)" in card and "pipe.load_lora_weights" not in card, "diffusers reads no LoHa file"
+
+
+def test_a_dora_with_schedule_free_adamw_and_concepts_through_the_whole_dag(tmp_path, demo_source):
+    """The rest of issue 29's rows from the same template: a DoRA (its kohya file verified with ComfyUI's reading
+    of dora_scale), schedule-free AdamW, and per-folder settings."""
+    from sdpipe.models import presets
+
+    photos = tmp_path / "photos"
+    for n, image in enumerate(sorted(demo_source.rglob("*.png"))[:6]):
+        folder = photos / ("alice" if n < 3 else "styles")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / image.name).write_bytes(image.read_bytes())
+        (folder / f"{image.stem}.txt").write_text("a shape")
+    model = presets.build_and_save("tiny", tmp_path / "models" / "tiny", seed=0)
+    project = tmp_path / "job"
+    init = [sys.executable, "-m", "sdpipe", "init", str(project), "--template", "sd15-lora", "--images", str(photos)]
+    run([*init, "--model", str(model), "--prompt", "a red circle"], tmp_path)
+    rest = {
+        "data": {
+            "concepts": [
+                {"folder": "alice", "repeats": 2, "caption_prefix": "ohwx"},
+                {"folder": "styles", "weight": 0.5},
+            ]
+        },
+        "train": {"lora": {"dora": True}, "optimizer": "adamw_schedulefree", "lr_scheduler": "constant"},
+    }
+    (project / "fast.yaml").write_text(yaml.safe_dump(config.merge(TEMPLATE_FAST, rest)))
+    run(
+        ["snakemake", "--profile", "runpod", "--cores", "2", "--configfile", "config/config.yaml", "fast.yaml"], project
+    )
+
+    read = lambda rel: json.loads((project / rel).read_text())
+    items = read("results/latents/index.json")["items"]
+    alice = [i for i in items if "alice" in i["path"]]
+    styles = [i for i in items if "styles" in i["path"]]
+    assert {i["repeats"] for i in alice} == {2} and {i["loss_weight"] for i in styles} == {0.5}
+    captions = [json.loads(line) for line in (project / "results/captions/captions.jsonl").read_text().splitlines()]
+    assert {c["caption"] for c in captions if "alice" in c["path"]} == {"ohwx, a shape"}
+    assert "optimizer: adamw_schedulefree" in (project / "results/train/config.yaml").read_text()
+    formats = read("results/export/summary.json")["formats"]
+    assert all(result["verified"] for result in formats.values())
+    assert "merge_file" in formats["lora_kohya"]["loader"], "diffusers would drop the dora_scale"
+    assert "DoRA" in (project / "results/card/README.md").read_text()
