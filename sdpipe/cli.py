@@ -38,6 +38,7 @@ TOOLS = (
     "publish",
     "bench",
     "bench-dag",
+    "bench-bookkeeping",
     "pod",
     "runpod",
     "check-config",
@@ -227,6 +228,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_bench_dag)
 
     p = sub.add_parser(
+        "bench-bookkeeping",
+        help="what the bookkeeping costs as the dataset grows (CPU, tiny preset): first run, no-op and "
+        "incremental reruns, peak memory, cache files; extrapolated to 1e6 and 1e7 images",
+    )
+    from sdpipe.bench.bookkeeping import add_arguments as bookkeeping_arguments
+
+    bookkeeping_arguments(p)
+    p.set_defaults(handler=_cmd_bench_bookkeeping)
+
+    p = sub.add_parser(
         "pod",
         help="a pod's start-up (the container entrypoint): detect GPUs, put state on the "
         "volume, run snakemake --profile runpod",
@@ -271,6 +282,12 @@ def _cmd_dvc_yaml(args) -> int:
 
 def _cmd_bench_dag(args) -> int:
     from sdpipe.bench.dag import run
+
+    return run(args)
+
+
+def _cmd_bench_bookkeeping(args) -> int:
+    from sdpipe.bench.bookkeeping import run
 
     return run(args)
 

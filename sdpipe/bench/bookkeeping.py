@@ -1,0 +1,188 @@
+"""`sdpipe bench-bookkeeping`: what sdpipe's bookkeeping costs as a dataset grows (issue 30), on the CPU.
+
+Per size, a project made as users make one (`sdpipe init`, template sd15-lora, the tiny preset with its fixed VAE,
+48x40 PNGs with sidecar captions), run to `latents` through `snakemake --profile runpod`:
+- the first run;
+- the no-op reruns: `snakemake latents` and `snakemake -n`;
+- the rerun after adding 10 images;
+- each command's peak memory (the largest resident set among the processes it ran);
+- the files and bytes under cache/ and results/.
+
+A line fitted through the two largest sizes extrapolates each figure to 10^6 and 10^7 images. The targets are
+issue 30's, at 10^6 images: a no-op rerun within 10 s, at most 10 s fixed cost around an incremental rerun, 4 GB of
+peak memory, and a few thousand cache files. `dvc repro` is not timed yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+log = logging.getLogger("sdpipe.bench")
+SIZE = (48, 40)
+ADDED = 10
+EXTRAPOLATE = (10**6, 10**7)
+TARGETS = {"noop_s": 10.0, "dry_run_s": 10.0, "add_fixed_s": 10.0, "peak_gb": 4.0, "cache_files": 5000}
+SETTINGS = {
+    "prepare": {"min_size": 32, "eval_fraction": 0.0, "buckets": {"resolution": 32, "step": 8}},
+    "caption": {"chain": ["sidecar"], "gpus": 0},
+    "latents": {"dtype": "fp32", "gpus": 0},
+}
+# Run the command, then print the largest resident set among the processes it waited for (Linux: KiB).
+PEAK = "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); " + (
+    "print('peak_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--images", type=int, nargs="+", default=[1000, 10000], help="dataset sizes (default 1e3 1e4)")
+    p.add_argument("--work", default="/tmp/sdpipe-bookkeeping", help="scratch: one project per size")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="bookkeeping")
+
+
+def write_images(raw: Path, start: int, count: int) -> None:
+    """`count` small PNGs with sidecar captions, image i a flat colour with a square (unique by content)."""
+    from PIL import Image, ImageDraw
+
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def one(i: int) -> None:
+        img = Image.new("RGB", SIZE, ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
+        ImageDraw.Draw(img).rectangle([i % 20, (i // 20) % 16, i % 20 + 8, (i // 20) % 16 + 8], fill=(i % 256, 0, 255))
+        ImageDraw.Draw(img).point([(i // 320) % SIZE[0], (i // 15360) % SIZE[1]], fill=((i // 7) % 256, 1, 2))
+        img.save(raw / f"img{i:08d}.png")
+        (raw / f"img{i:08d}.txt").write_text(f"a square, picture {i}\n")
+
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(one, range(start, start + count)))
+
+
+def timed(cmd: list[str], cwd: Path, logfile: Path) -> dict:
+    """Wall seconds and peak memory of one command; a failure is one line naming its log."""
+    from sdpipe.errors import UserError
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    start = time.perf_counter()
+    with open(logfile, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-c", PEAK, *cmd], cwd=cwd, stdout=f, stderr=subprocess.PIPE, env=env, text=True
+        )
+    seconds = time.perf_counter() - start
+    f_err = proc.stderr.splitlines()
+    peak = next((int(line.split()[1]) for line in reversed(f_err) if line.startswith("peak_kib")), 0)
+    with open(logfile, "a") as f:
+        f.write("\n".join(line for line in f_err if not line.startswith("peak_kib")))
+    if proc.returncode:
+        raise UserError(f"{' '.join(cmd[:4])} failed (exit {proc.returncode}) in {cwd}; log: {logfile}")
+    return {"s": round(seconds, 2), "peak_gb": round(peak * 1024 / 1e9, 3)}
+
+
+def tree(folder: Path) -> dict:
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+
+
+def measure(size: int, work: Path, model: Path) -> dict:
+    from sdpipe import config, io, project
+
+    folder = work / f"n{size}"
+    shutil.rmtree(folder, ignore_errors=True)
+    raw = folder / "data" / "raw"
+    write_images(raw, 0, size)
+    project.init(folder, "sd15-lora", raw, str(model), ["a square"])
+    io.write_yaml(folder / "bench.yaml", config.merge(SETTINGS, {"data": {"raw_dir": str(raw)}}))
+    snake = [sys.executable, "-m", "snakemake", "--profile", "runpod", "--cores", "2"]
+    configs = ["--configfile", "config/config.yaml", "bench.yaml"]
+    logs = folder / "bench-logs"
+    logs.mkdir()
+    out = {"images": size}
+    log.info("bookkeeping %d: first run to latents", size)
+    out["first"] = timed([*snake, "latents", *configs], folder, logs / "first.log")
+    out["noop"] = timed([*snake, "latents", *configs], folder, logs / "noop.log")
+    out["dry_run"] = timed([*snake, "-n", "latents", *configs], folder, logs / "dry.log")
+    write_images(raw, size, ADDED)
+    out["add"] = timed([*snake, "latents", *configs], folder, logs / "add.log")
+    summary = json.loads((folder / "results" / "latents" / "summary.json").read_text())
+    out["add"]["encoded"] = summary.get("encoded")
+    out["cache"], out["results"] = tree(folder / "cache"), tree(folder / "results")
+    log.info("bookkeeping %d: %s", size, json.dumps(out))
+    return out
+
+
+FIGURES = {
+    "first run s": lambda r: r["first"]["s"],
+    "no-op `snakemake latents` s": lambda r: r["noop"]["s"],
+    "`snakemake -n` s": lambda r: r["dry_run"]["s"],
+    f"rerun after adding {ADDED} s": lambda r: r["add"]["s"],
+    "peak memory GB (any command)": lambda r: max(r[k]["peak_gb"] for k in ("first", "noop", "dry_run", "add")),
+    "cache files": lambda r: r["cache"]["files"],
+    "cache GB": lambda r: r["cache"]["bytes"] / 1e9,
+    "results files": lambda r: r["results"]["files"],
+}
+
+
+def extrapolate(rows: list[dict]) -> dict:
+    """Each figure as a + b n through the two largest sizes, evaluated at 10^6 and 10^7."""
+    if len(rows) < 2:
+        return {}
+    (small, large) = sorted(rows, key=lambda r: r["images"])[-2:]
+    fits = {}
+    for name, get in FIGURES.items():
+        slope = (get(large) - get(small)) / (large["images"] - small["images"])
+        base = get(large) - slope * large["images"]
+        fits[name] = {"a": base, "b": slope, **{f"{n:.0e}": base + slope * n for n in EXTRAPOLATE}}
+    return fits
+
+
+def markdown(results: dict) -> str:
+    rows, fits = results["rows"], results["fits"]
+    fitted = EXTRAPOLATE if fits else ()
+    head = ["figure", *[f"{r['images']:,}" for r in rows], *[f"{n:.0e} (fit)" for n in fitted]]
+    lines = [
+        f"## Bookkeeping as the dataset grows ({results['machine']}, commit {results['commit']})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, get in FIGURES.items():
+        cells = [f"{get(r):,.4g}" for r in rows] + [f"{fits[name][f'{n:.0e}']:,.4g}" for n in fitted]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if fits:
+        terms = [f"{name}: {f['a']:.4g} + {f['b']:.3g}·n" for name, f in fits.items()]
+        lines += ["", "Fits (a + b·n through the two largest sizes): " + "; ".join(terms) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    import platform
+
+    from sdpipe import io
+    from sdpipe.models import presets
+    from sdpipe.provenance import git_state
+
+    logging.getLogger("sdpipe").setLevel(logging.INFO)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = presets.build_and_save("tiny", work / "tiny", seed=0)
+    rows = [measure(n, work, model) for n in sorted(args.images)]
+    results = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "commit": git_state()[0],
+        "rows": rows,
+        "fits": extrapolate(rows),
+        "targets_at_1e6": TARGETS,
+    }
+    out = Path(args.out)
+    io.write_json(out / f"{args.name}.json", results)
+    text = markdown(results)
+    (out / f"{args.name}.md").write_text(text)
+    print(text)
+    return 0
