@@ -142,6 +142,12 @@ def extrapolate(rows: list[dict]) -> dict:
     return fits
 
 
+def _cell(value: float) -> str:
+    if abs(value) >= 1e6:
+        return f"{value:.3g}"
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.4g}"
+
+
 def markdown(results: dict) -> str:
     rows, fits = results["rows"], results["fits"]
     fitted = EXTRAPOLATE if fits else ()
@@ -153,7 +159,7 @@ def markdown(results: dict) -> str:
         "|" + "---|" * len(head),
     ]
     for name, get in FIGURES.items():
-        cells = [f"{get(r):,.4g}" for r in rows] + [f"{fits[name][f'{n:.0e}']:,.4g}" for n in fitted]
+        cells = [_cell(get(r)) for r in rows] + [_cell(fits[name][f"{n:.0e}"]) for n in fitted]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if fits:
         terms = [f"{name}: {f['a']:.4g} + {f['b']:.3g}·n" for name, f in fits.items()]
