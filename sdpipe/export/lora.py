@@ -81,13 +81,18 @@ def lora_modules(state: dict) -> dict[tuple[str, str], tuple[torch.Tensor, torch
     return out
 
 
-def _alpha(config: dict, module: str, rank: int) -> float:
-    """kohya's alpha: the value for which alpha / rank equals peft's scaling of this module."""
+def pattern_value(config: dict, field: str, module: str, default):
+    """A peft config's per-module value (alpha_pattern, rank_pattern) for `module`, else `default`."""
     from peft.utils.other import get_pattern_key
 
-    pattern = config.get("alpha_pattern") or {}
+    pattern = config.get(field) or {}
+    return pattern.get(get_pattern_key(pattern.keys(), module), default) if pattern else default
+
+
+def _alpha(config: dict, module: str, rank: int) -> float:
+    """kohya's alpha: the value for which alpha / rank equals peft's scaling of this module."""
     # No config: diffusers loads such a LoRA with alpha = rank, so the export keeps that meaning.
-    alpha = pattern.get(get_pattern_key(pattern.keys(), module), config.get("lora_alpha", rank))
+    alpha = pattern_value(config, "alpha_pattern", module, config.get("lora_alpha", rank))
     return alpha * math.sqrt(rank) if config.get("use_rslora") else alpha  # rsLoRA scales by alpha / sqrt(rank)
 
 

@@ -109,19 +109,16 @@ def lycoris_state_dict(state: dict, configs: dict[str, dict], family: str) -> di
     return out
 
 
-def _pattern(config: dict, field: str, module: str, default):
-    from peft.utils.other import get_pattern_key
-
-    pattern = config.get(field) or {}
-    return pattern.get(get_pattern_key(pattern.keys(), module), default) if pattern else default
-
-
 def _rank(config: dict, module: str) -> int:
-    return int(_pattern(config, "rank_pattern", module, config.get("r", 8)))
+    from sdpipe.export.lora import pattern_value
+
+    return int(pattern_value(config, "rank_pattern", module, config.get("r", 8)))
 
 
 def _alpha(config: dict, module: str) -> float:
-    return float(_pattern(config, "alpha_pattern", module, config.get("alpha", _rank(config, module))))
+    from sdpipe.export.lora import pattern_value
+
+    return float(pattern_value(config, "alpha_pattern", module, config.get("alpha", _rank(config, module))))
 
 
 def load_peft(pipe, state: dict, configs: dict[str, dict]) -> int:

@@ -236,27 +236,19 @@ def _load_lora(pipe, path: Path, kind: str, family, base_model: str) -> tuple[st
         return "peft inject_adapter_in_model + set_peft_model_state_dict (diffusers reads no LyCORIS)", layers
     if kind == "lora":
         pipe.load_lora_weights(str(path.parent), weight_name=path.name)
-        return "load_lora_weights", adapted_layers(pipe)
+        return "load_lora_weights", lycoris.adapter_layers(pipe)
     if _read_by_sdpipe(path):  # LyCORIS or DoRA, merged as ComfyUI applies them (diffusers drops dora_scale)
         return "sdpipe.export.lycoris.merge_file (ComfyUI's arithmetic)", lycoris.merge_file(pipe, path, family.name)
     if family.diffusers_reads_kohya:
         pipe.load_lora_weights(str(path))
-        return "load_lora_weights", adapted_layers(pipe)
+        return "load_lora_weights", lycoris.adapter_layers(pipe)
     from safetensors.torch import load_file
 
     from sdpipe.export.lora import diffusers_from_kohya, out_features
 
     state = diffusers_from_kohya(load_file(str(path)), family.name, out_features(base_model, family.denoiser))
     pipe.load_lora_weights(state)
-    return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights", adapted_layers(pipe)
-
-
-def adapted_layers(pipe) -> int:
-    """How many layers of the pipeline carry an adapter: diffusers only warns when a file's
-    keys match nothing, and such a LoRA would render like the base model, which a barely trained LoRA also does."""
-    from sdpipe.export.lycoris import adapter_layers
-
-    return adapter_layers(pipe)
+    return "sdpipe.export.lora.diffusers_from_kohya + load_lora_weights", lycoris.adapter_layers(pipe)
 
 
 def _read_by_sdpipe(path: Path) -> bool:
