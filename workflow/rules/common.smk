@@ -9,6 +9,7 @@ from sdpipe.errors import UserError
 from sdpipe.config import check_user_config, effective
 from sdpipe.export.names import for_config as export_names
 from sdpipe.parallel import detect_gpu_count, resolve_gpus
+from sdpipe.prepare.files import fingerprint as folder_fingerprint
 from sdpipe.stages.declared import settings as declared_settings
 from sdpipe import io as sdpipe_io
 
@@ -97,15 +98,22 @@ BUILD_PRESET = CFG["model"]["build_preset"]
 RAW_DIR = CFG["data"]["raw_dir"]
 
 
+# A raw folder's files as rule inputs cost Snakemake a stat, a metadata entry and memory per file per rule on every
+# run: minutes and gigabytes at 10^6 images (issue 30). So prepare, the one rule that reads the folder as a whole,
+# takes the folder's fingerprint (each file's path, size and times) as a param and reruns when it changes; the
+# rules after it follow its manifest. Only where a storage provider must copy the files to each job are they
+# listed as inputs.
+STORAGE = workflow.storage_settings.default_storage_provider is not None
+
+
 def raw_files(wildcards):
-    """Every file under the raw folder, so adding or changing one image reruns prepare."""
-    return list(_raw_listing())
+    """The raw folder's files, as inputs of the rules that read images, where a storage provider copies them."""
+    return list(_raw_listing()) if STORAGE else []
 
 
 @functools.cache
 def _raw_listing():
-    """The raw folder's files, listed once per Snakemake run: the rules that read images and each of their jobs
-    ask for them (input and params), and a large folder takes seconds to walk."""
+    """The raw folder's files, listed once per Snakemake run (only with a storage provider)."""
     root = Path(RAW_DIR)
     if not root.is_dir():
         return ()
@@ -113,8 +121,21 @@ def _raw_listing():
     return tuple(sorted(str(p) for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)))
 
 
+def raw_state(wildcards):
+    """The fingerprint of data.raw_dir and data.regularisation's folders: prepare reruns when it changes."""
+    return _raw_state()
+
+
+@functools.cache
+def _raw_state():
+    folders = [RAW_DIR] + [spec["dir"] for spec in CFG["data"]["regularisation"]]
+    return " ".join(folder_fingerprint(Path(folder)) for folder in folders)
+
+
 def regularisation_files(wildcards):
-    """Every file under data.regularisation's folders: adding or changing one reruns prepare (local folders)."""
+    """data.regularisation's files, as prepare's inputs where a storage provider copies them."""
+    if not STORAGE:
+        return []
     found = []
     for spec in CFG["data"]["regularisation"]:
         root = Path(spec["dir"])
@@ -139,7 +160,7 @@ def use_model(wildcards, input):
 
 
 def use_raw_dir(wildcards, input):
-    """data.raw_dir where the job sees it: the local copy's root, found from one raw file's copy."""
+    """data.raw_dir where the job sees it: the local copy's root, found from one raw file's copy (storage)."""
     given, listed = [str(f) for f in input.get("raw", [])], raw_files(wildcards)
     if not given or given[0] == listed[0]:
         return []

@@ -48,6 +48,7 @@ rule prepare:
         settings=settings_of("prepare"),
         class_images=CLASS_IMAGES,
         raw=use_raw_dir,
+        raw_state=raw_state,
     shell:
         "sdpipe prepare --config {params.config:q} {params.raw:q} --class-images {params.class_images:q} --manifest {output.manifest:q} "
         "--rejected {output.rejected:q} --summary {output.summary:q} > {log:q} 2>&1"
