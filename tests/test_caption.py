@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -345,7 +346,8 @@ def test_a_killed_run_resumes_from_its_cache(tmp_path, blip_dir, monkeypatch):
     monkeypatch.setattr(captioners, "_caption_batch", dies_on_second_batch)
     with pytest.raises(KeyboardInterrupt):
         run_stage(tmp_path, cfg, rows)
-    assert len(list((tmp_path / "cache" / "captions").rglob("*.json"))) == 2
+    with sqlite3.connect(tmp_path / "cache" / "captions.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM captions").fetchone()[0] == 2
     assert not (tmp_path / "out" / "captions.jsonl").exists()
     monkeypatch.setattr(captioners, "_caption_batch", real)
     summary, out = run_stage(tmp_path, cfg, rows)

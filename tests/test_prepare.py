@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io as bytes_io
+import os
 import random
 import shutil
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -208,18 +210,52 @@ def test_incremental_rerun_reuses(happy, tmp_path, monkeypatch):
     assert summary["decoded"] == 6 and summary["reused"] == 0
 
 
-@pytest.mark.parametrize("damage", [b"", b'{"result": {"width": 48', b'{"result": {"width": 4800}, "sha256": "0"}'])
+def _entries(cache: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(cache / "prepare.sqlite") as db:
+        return sorted(db.execute("SELECT key, value FROM decoded"))
+
+
+@pytest.mark.parametrize("damage", ["", '{"result": {"width": 48', '{"result": {"width": 4800}, "sha256": "0"}'])
 def test_a_damaged_cache_entry_is_decoded_again(happy, tmp_path, damage):
     """Issue 26, item 6: a damaged prepare cache entry crashed prepare (truncated) or would be trusted (edited)."""
-    out = tmp_path / "out"
+    out, cache = tmp_path / "out", tmp_path / "cache"
     first, _, _ = run_prepare(happy, out)
-    entries = sorted((tmp_path / "cache" / "prepare").rglob("*.json"))
-    entries[0].write_bytes(damage)
+    key = _entries(cache)[0][0]
+    with sqlite3.connect(cache / "prepare.sqlite") as db:
+        db.execute("UPDATE decoded SET value = ? WHERE key = ?", (damage, key))
+        db.execute("DELETE FROM file_ids")  # the files are read again, so their cached results are looked up
     shutil.rmtree(out)
     second, _, summary = run_prepare(happy, out)
     assert second == first
     assert (summary["decoded"], summary["reused"]) == (1, 5)
-    assert entries[0].read_bytes() != damage  # rewritten whole
+    assert dict(_entries(cache))[key] != damage  # rewritten whole
+
+
+def test_a_damaged_cache_file_is_set_aside(happy, tmp_path, caplog):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    first, _, _ = run_prepare(happy, out)
+    (cache / "prepare.sqlite").write_bytes(b"not a database at all" * 100)
+    shutil.rmtree(out)
+    second, _, summary = run_prepare(happy, out)
+    assert second == first and summary["decoded"] == 6
+    assert (cache / "prepare.sqlite.damaged").is_file() and len(_entries(cache)) == 6
+    assert any("set aside" in r.getMessage() for r in caplog.records)
+
+
+def test_unchanged_files_are_not_read_again(happy, tmp_path, monkeypatch):
+    """Issue 30: a rerun reads only the files whose stat changed (a 10^6-image folder is not hashed again)."""
+    out = tmp_path / "out"
+    first, _, _ = run_prepare(happy, out)
+    touched = happy / "a.png"
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    shutil.rmtree(out)
+    second, _, summary = run_prepare(happy, out)
+    images = [name for name in read if not name.endswith((".txt", ".caption"))]  # sidecars are read each time
+    assert second == first and images == ["a.png"]  # rehashed, and its decode result found by content
+    assert summary["decoded"] == 0 and summary["reused"] == 6
 
 
 def test_process_pool_matches_plain_loop(tmp_path):

@@ -11,16 +11,21 @@ a function from a list of RGB images to a list of captions (None where it yields
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.kvstore import KVStore
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
+
+log = logging.getLogger(__name__)
 
 FREE_SOURCES = ("sidecar", "template")
 MODEL_SOURCES = ("blip", "clip_tags")
@@ -56,25 +61,49 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-# --- the cache: one small JSON file per key, in 256 sharded folders so no folder grows huge -------------------
+# --- the cache: one SQLite file (sdpipe/kvstore.py), key -> {"key", "source", "caption"} -------------------------
+
+TABLE = "captions"
 
 
-def cache_file(root: str | Path, key: str) -> Path:
-    return Path(root) / key[:2] / f"{key}.json"
+@functools.cache
+def cache(db: str | Path) -> KVStore:
+    """The caption cache at `db`; the first open imports the entries of the folder of JSON files that sdpipe kept
+    before (<cache_dir>/captions/), so no model caption is computed twice."""
+    store = KVStore(db, (TABLE,))
+    legacy = Path(db).with_suffix("")
+    if legacy.is_dir() and not store.count(TABLE):
+        _import_legacy(store, legacy)
+    return store
 
 
-def read_cache(root: str | Path, key: str) -> dict | None:
-    """The cached entry, or None on a miss. An unreadable entry is a miss: it is simply recomputed."""
-    try:
-        entry = io.read_json(cache_file(root, key))
-    except (OSError, ValueError):
-        return None
-    return entry if isinstance(entry, dict) and "caption" in entry else None
+def _import_legacy(store: KVStore, folder: Path) -> None:
+    entries = []
+    for path in folder.glob("??/*.json"):
+        try:
+            entry = io.read_json(path)
+        except (OSError, ValueError):
+            continue  # unreadable: a miss, computed again
+        if isinstance(entry, dict) and "caption" in entry and "key" in entry:
+            entries.append((entry["key"], entry))
+    store.put_many(TABLE, entries)
+    log.info(
+        "caption cache: %d entries imported from %s into %s (the folder can be deleted)",
+        len(entries),
+        folder,
+        store.path,
+    )
 
 
-def write_cache(root: str | Path, key: str, source: str, caption: str | None) -> None:
-    # An empty result is cached too, so a model that found nothing to say is not asked again.
-    io.write_json(cache_file(root, key), {"key": key, "source": source, "caption": caption})
+def read_cache(db: str | Path, keys: list[str]) -> dict[str, dict]:
+    """The cached entries among `keys`; an unreadable entry is a miss, simply recomputed."""
+    return {k: v for k, v in cache(db).get_many(TABLE, keys).items() if isinstance(v, dict) and "caption" in v}
+
+
+def write_cache(db: str | Path, entries: list[tuple[str, str, str | None]]) -> None:
+    """(key, source, caption) entries, in one transaction. An empty result is cached too, so a model that found
+    nothing to say is not asked again."""
+    cache(db).put_many(TABLE, [(key, {"key": key, "source": src, "caption": cap}) for key, src, cap in entries])
 
 
 # --- the worker: one process per device (run by sdpipe.parallel.run_sharded) ----------------------------------
@@ -121,10 +150,12 @@ def _caption_batch(model: CaptionFn, source: str, batch: list[dict], cache_root:
             loaded.append(job)
         except (ImageRejected, OSError) as exc:
             out[job["key"]] = {"key": job["key"], "caption": None, "error": f"{source}: cannot read image: {exc}"}
+    done = []
     for job, (caption, error) in zip(loaded, _run_model(model, images)):
         if error is None:
-            write_cache(cache_root, job["key"], source, caption)
+            done.append((job["key"], source, caption))
         out[job["key"]] = {"key": job["key"], "caption": caption, "error": f"{source}: {error}" if error else None}
+    write_cache(cache_root, done)  # each batch as it is done: a crash loses the batch in flight
     return [out[job["key"]] for job in batch]
 
 

@@ -53,15 +53,18 @@ def caption_devices(cfg: Config) -> list[str]:
 def _free_step(cfg: Config, source: str, items: list[Item], root: Path) -> None:
     from sdpipe.captioners import free, read_cache, write_cache
 
-    for item in items:
-        proposal = free.propose(source, cfg.caption.template, item.row)
-        if proposal is None:
-            continue
-        key = hashing.key_of(CACHE_VERSION, item.row["id"], source, proposal.key_inputs)
-        if read_cache(root, key) is None:  # cheap to compute, but the cache says what changed since the last run
-            write_cache(root, key, source, proposal.caption)
+    proposed = [(item, free.propose(source, cfg.caption.template, item.row)) for item in items]
+    proposed = [
+        (item, p, hashing.key_of(CACHE_VERSION, item.row["id"], source, p.key_inputs)) for item, p in proposed if p
+    ]
+    cached = read_cache(root, [key for _, _, key in proposed])
+    new = []
+    for item, proposal, key in proposed:
+        if key not in cached:  # cheap to compute, but the cache says what changed since the last run
+            new.append((key, source, proposal.caption))
             item.computed = True
         item.accept(source, proposal.caption, proposal.provenance)
+    write_cache(root, new)
 
 
 def _model_step(cfg: Config, source: str, items: list[Item], root: Path, used: list[str]) -> list[str]:
@@ -71,9 +74,13 @@ def _model_step(cfg: Config, source: str, items: list[Item], root: Path, used: l
     spec = captioners.describe(cfg, source, Path(cfg.cache_dir) / "weight-hashes.json")
     pixels = {"background": tuple(cfg.prepare.alpha_background), "max_pixels": cfg.prepare.max_pixels}
     misses: dict[str, list[Item]] = {}
-    for item in items:
-        key = hashing.key_of(CACHE_VERSION, item.row["id"], source, spec.key_params, spec.weights_sha256, pixels)
-        hit = captioners.read_cache(root, key)
+    keys = [
+        hashing.key_of(CACHE_VERSION, it.row["id"], source, spec.key_params, spec.weights_sha256, pixels)
+        for it in items
+    ]
+    cached = captioners.read_cache(root, keys)
+    for item, key in zip(items, keys):
+        hit = cached.get(key)
         if hit is not None:
             item.accept(source, hit["caption"], spec.provenance)
         else:
@@ -117,7 +124,7 @@ def caption_items(cfg: Config, rows: list[dict]) -> tuple[list[Item], list[str]]
 
     if "template" in cfg.caption.chain:
         free.template_fields(cfg.caption.template)  # a bad template fails before any work
-    root = Path(cfg.cache_dir) / "captions"
+    root = Path(cfg.cache_dir) / "captions.sqlite"
     items, devices = [Item(row) for row in rows], []
     # DreamBooth class images are captioned by their sidecar, the class prompt they were generated from, and
     # regularisation folders with a fixed caption by that caption.

@@ -239,7 +239,7 @@ def class_rows(cfg: Config, folder: Path, instance_samples: int) -> tuple[list[d
     if not folder.is_dir():
         raise UserError(f"class images folder {folder} not found; run `snakemake class_images` first")
     images, sidecars = scan(folder, [".txt"])
-    results = inspect_all(folder, images, validation_params(cfg), str(Path(cfg.cache_dir) / "prepare"), 1)
+    results = inspect_all(folder, images, validation_params(cfg), cfg.cache_dir, 1)
     out = collect(cfg, folder, images, results, match_sidecars(images, sidecars, [".txt"])[0])
     if not out.rows:
         raise UserError(f"no usable class images in {folder}; rerun `snakemake class_images`")
@@ -307,7 +307,7 @@ def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict],
         if not folder.is_dir():
             raise UserError(f"data.regularisation: folder {spec.dir} does not exist")
         images, sidecars = scan(folder, cfg.data.caption_extensions)
-        results = inspect_all(folder, images, validation_params(cfg), str(Path(cfg.cache_dir) / "prepare"), 1)
+        results = inspect_all(folder, images, validation_params(cfg), cfg.cache_dir, 1)
         out = collect(cfg, folder, images, results, match_sidecars(images, sidecars, cfg.data.caption_extensions)[0])
         if not out.rows:
             raise UserError(f"data.regularisation: no usable image in {spec.dir} ({len(out.rejected)} rejected)")
@@ -326,7 +326,7 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     raw, images, sidecars = _candidates(cfg)
     params = validation_params(cfg)
     workers = cfg.prepare.workers or os.cpu_count() or 1
-    results = inspect_all(raw, images, params, str(Path(cfg.cache_dir) / "prepare"), workers)
+    results = inspect_all(raw, images, params, cfg.cache_dir, workers)
     sidecar_of, shadowed = match_sidecars(images, sidecars, cfg.data.caption_extensions)
     out = collect(cfg, raw, images, results, sidecar_of)
     out.warnings += sidecar_warnings(sidecars, sidecar_of, out, shadowed)
