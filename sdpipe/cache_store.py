@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 SEP = "/"  # tensor name = key + SEP + field
 INDEX = "index.json"
 DAMAGED = "damaged"  # where the writing stage moves shards that fail verification
+VERIFIED = "verified.json"  # shard name -> [size, mtime_ns] when it last passed verification
 
 
 def problem(shard: Path) -> str | None:
@@ -60,11 +61,24 @@ class ShardStore:
         return sorted(self.root.glob("shard-*.safetensors"))
 
     def set_aside_damaged(self) -> list[str]:
-        """Verify every shard; move those that fail to damaged/ (their entries are then missing, so encoded again).
-        One line per shard moved."""
-        moved = []
+        """Verify every shard not verified before; move those that fail to damaged/ (their entries are then missing,
+        so encoded again). One line per shard moved.
+
+        A shard is written once and never changed, so one that passed keeps its place in VERIFIED under its name,
+        size and mtime: a rerun over a 30 GB cache reads only the shards it has not seen (issue 30). Training still
+        verifies each shard the first time it opens one."""
+        memo_path = self.root / VERIFIED
+        memo = io.read_json(memo_path) if memo_path.is_file() else {}
+        moved, passed = [], {}
         for shard in self.shards():
+            st = shard.stat()
+            seal = [st.st_size, st.st_mtime_ns]
+            if memo.get(shard.name) == seal:
+                passed[shard.name] = seal
+                continue
             why = problem(shard)
+            if not why:
+                passed[shard.name] = seal
             if why:
                 (self.root / DAMAGED).mkdir(exist_ok=True)
                 os.replace(shard, self.root / DAMAGED / shard.name)
@@ -75,6 +89,8 @@ class ShardStore:
                     DAMAGED,
                 )
                 moved.append(shard.name)
+        if passed != memo:
+            io.write_json(memo_path, passed, indent=None)
         return moved
 
     def scan(self) -> dict[str, str]:

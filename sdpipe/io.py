@@ -42,8 +42,8 @@ def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
+    write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
 def read_json(path: str | Path) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -58,3 +60,20 @@ def test_the_latents_stage_re_encodes_damaged_shards_and_training_refuses_them(t
 
 def _read_every_sample(data) -> list[dict]:
     return [data.batch([i], [False], [False]) for i in range(len(data.sample_items))]
+
+
+def test_verified_shards_are_not_read_again_until_they_change(tmp_path, monkeypatch):
+    """Issue 30: the latents stage verified every shard on every run, reading the whole cache for a rerun."""
+    import sdpipe.cache_store as cache_store
+
+    store = ShardStore(tmp_path)
+    shards = [store.write_shard({f"k{i}": {"latent": torch.full((4, 8, 8), float(i))}}) for i in range(3)]
+    assert store.set_aside_damaged() == []
+    read = []
+    real = cache_store.problem
+    monkeypatch.setattr(cache_store, "problem", lambda shard: read.append(shard.name) or real(shard))
+    assert store.set_aside_damaged() == [] and read == []
+    _flip_last_byte(shards[1])  # rewritten: its mtime changes, so it is read again and found damaged
+    st = shards[1].stat()
+    os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # past the clock's tick, as a later write is
+    assert store.set_aside_damaged() == [shards[1].name] and read == [shards[1].name]

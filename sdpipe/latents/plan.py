@@ -5,6 +5,7 @@ what encoding them gives (the preprocessing, the VAE's and text encoders' weight
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable
 
 from sdpipe import hashing
@@ -48,6 +49,19 @@ def plan(
     `file_of` where a manifest row's image is, and `mask_origin` where its loss mask comes from (None: no masks;
     sdpipe.latents.masks). Mask jobs ("kind": "mask") are listed with the image jobs: both go to the latent store."""
     items, images, texts, failed = [], {}, {}, []
+
+    @functools.cache  # one per bucket and flip, not one per image: 10^6 images share a few dozen
+    def preprocess(bucket: tuple[int, int], flip: bool) -> tuple[Preprocess, dict]:
+        p = Preprocess(
+            bucket=bucket,
+            resize=lat.resize,
+            crop=lat.crop,
+            interpolation=lat.interpolation,
+            flip=flip,
+            background=background,
+        )
+        return p, p.as_key()
+
     # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
     texts[text_key("", model, lat.dtype)] = {"kind": "text", "key": text_key("", model, lat.dtype), "caption": ""}
     for row in rows:
@@ -77,16 +91,9 @@ def plan(
         }  # SDXL's size conditioning is (h, w)
         where = mask_origin(row) if mask_origin else None
         for flip in [False, True] if lat.flip else [False]:
-            p = Preprocess(
-                bucket=tuple(row["bucket"]),
-                resize=lat.resize,
-                crop=lat.crop,
-                interpolation=lat.interpolation,
-                flip=flip,
-                background=background,
-            )
+            p, pre = preprocess(tuple(row["bucket"]), flip)
             key = hashing.key_of(
-                "latent", CACHE_VERSION, row["id"], p.as_key(), model["vae_sha256"], model["variant"], lat.dtype
+                "latent", CACHE_VERSION, row["id"], pre, model["vae_sha256"], model["variant"], lat.dtype
             )
             item["flip_key" if flip else "latent_key"] = key
             if not flip:
@@ -100,10 +107,10 @@ def plan(
                 "id": row["id"],
                 "path": row["path"],
                 "file": file_of(row),
-                "pre": p.as_key(),
+                "pre": pre,
             }
             if where is not None:
-                job = _mask_job(row, p.as_key(), where, model["vae_downsample"], file_of(row))
+                job = _mask_job(row, pre, where, model["vae_downsample"], file_of(row))
                 item["flip_mask_key" if flip else "mask_key"] = job["key"]
                 images[job["key"]] = job
         items.append(item)

@@ -41,15 +41,13 @@ READS = (
 
 def describe_model(cfg: Config) -> dict:
     """Family, weight hashes and VAE facts, read from config files and weight hashes (no model is loaded)."""
-    from diffusers import AutoencoderKL
-
     from sdpipe import weights
-    from sdpipe.models import loading
+    from sdpipe.models import pipeline_index as loading
 
     m = cfg.model
     memo = Path(cfg.cache_dir) / "weight-hashes.json"
     local = str(loading.model_index(m.pretrained, m.revision)[0])  # one-line error if not a diffusers folder
-    vae_cfg = AutoencoderKL.load_config(local, subfolder="vae")
+    vae_cfg = io.read_json(Path(local) / "vae" / "config.json")  # read, not through diffusers: its import takes 6 s
     texts = loading.text_component_names(local)
     family = loading.family_of(local)
     tokenizers = [part.tokenizer for part in family.text_parts if part.encoder in texts]
@@ -182,7 +180,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
         "items": kept,
         "failed": failed,
     }
-    io.write_json(outputs["index"], index)
+    io.write_json(outputs["index"], index, indent=None)  # 10^6 items: json's C encoder works only without indent
     summary = {
         "items": len(kept),
         "encoded": encoded,
@@ -226,7 +224,7 @@ def _add_heldout(index_path: Path, eval_items: list, wheres: dict, failed: list)
     bad = {f["path"] for f in failed}
     kept = [it for it in eval_items if it["path"] not in bad and _present(it, wheres)]
     index = io.read_json(index_path)
-    io.write_json(index_path, index | {"eval_items": kept})
+    io.write_json(index_path, index | {"eval_items": kept}, indent=None)
     if len(kept) < len(eval_items):
         log.warning("latents: %d held-out image(s) could not be encoded", len(eval_items) - len(kept))
     return len(kept)
