@@ -111,7 +111,18 @@ def config_keys(name: str, stage: Stage) -> tuple[str, ...]:
     return tuple(k for k in dict.fromkeys(keys) if not any(k.startswith(f"{other}.") for other in keys))
 
 
-def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
+def in_file(key: str, written: dict | None) -> bool:
+    """Whether the config file sets `key` (dotted). DVC refuses a params key its file lacks, and a project from
+    `sdpipe init` writes only the keys its template sets: the others are the schema's defaults, which are code."""
+    node = written
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return written is None  # no file to read: every key, as the demo's complete config has them
+        node = node[part]
+    return True
+
+
+def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str], written: dict | None = None) -> dict:
     base, stage_model = model_paths(cfg)
     deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
     if name == "prepare" and cfg.dreambooth.enabled and base:
@@ -124,7 +135,7 @@ def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
     entry: dict[str, object] = {"cmd": f"snakemake --allowed-rules {stage.rules} --forcerun {forced} -- {stage.target}"}
     if deps:
         entry["deps"] = deps
-    params = config_keys(name, stage)
+    params = tuple(k for k in config_keys(name, stage) if k == WHOLE_CONFIG or in_file(k, written))
     if params:
         # None: DVC tracks every key of the file
         entry["params"] = [{"config/config.yaml": None if WHOLE_CONFIG in params else list(params)}]
@@ -138,13 +149,15 @@ def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str]) -> dict:
 
 def render(cfg: Config, project: Path) -> dict:
     source = project / "sdpipe"
+    user = project / "config" / "config.yaml"
+    written = (io.read_yaml(user) or {}) if user.is_file() else None
     stages = {}
     for name, stage in STAGES.items():
         if wanted(name, cfg):
             roots = stage_modules(name, stage)
             files = set().union(*(code_files(m, project) for m in roots)) if source.is_dir() else set()
             code = sorted(str(p.relative_to(project)) for p in files)
-            stages[name] = stage_entry(name, stage, cfg, code)
+            stages[name] = stage_entry(name, stage, cfg, code, written)
     plots = PLOTS + [HELDOUT_PLOT] if cfg.train.validation.heldout_every else PLOTS
     return {"stages": stages, "plots": plots}
 

@@ -54,3 +54,16 @@ def test_a_real_jobs_dvc_yaml_has_no_demo_paths(tmp_path):
     stages = dvc_file.render(hub, tmp_path)["stages"]
     assert not any("stabilityai" in d for s in stages.values() for d in s.get("deps", []))
     assert "model" in stages["latents"]["params"][0]["config/config.yaml"]
+
+
+def test_params_are_only_the_keys_the_project_config_sets(tmp_path):
+    """An `sdpipe init` project's config holds its template's keys only; DVC refused `dvc repro` there ("Parameters
+    'dreambooth, seed' are missing from 'config/config.yaml'"), found by the bookkeeping benchmark (issue 30)."""
+    written = {"model": {"pretrained": "some/model"}, "data": {"raw_dir": "data/raw"}, "prepare": {"buckets": {}}}
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(written))
+    stages = dvc_file.render(config.from_dict(written), tmp_path)["stages"]
+    keys = {k for s in stages.values() for p in s.get("params", []) for k in p["config/config.yaml"] or []}
+    assert keys and all(dvc_file.in_file(k, written) for k in keys)
+    assert "seed" not in keys and "dreambooth" not in keys and {"model", "data", "prepare"} <= keys
+    assert dvc_file.in_file("seed", None)  # no file to read: every key
