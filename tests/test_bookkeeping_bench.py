@@ -15,6 +15,8 @@ def _row(n: int, seconds: float) -> dict:
         "first": timing,
         "noop": timing,
         "dry_run": timing,
+        "dvc_add": timing,
+        "dvc_noop": timing,
         "add": {**timing, "encoded": 10},
         "cache": {"files": 2 * n + 25, "bytes": 10_000 * n},
         "results": {"files": 8, "bytes": 100 * n},

@@ -3,14 +3,15 @@
 Per size, a project made as users make one (`sdpipe init`, template sd15-lora, the tiny preset with its fixed VAE,
 48x40 PNGs with sidecar captions), run to `latents` through `snakemake --profile runpod`:
 - the first run;
-- the no-op reruns: `snakemake latents` and `snakemake -n`;
+- the no-op reruns: `snakemake latents`, `snakemake -n` and, after `git init`, `dvc init` and `dvc add data/raw`
+  (timed too), `dvc repro latents`;
 - the rerun after adding 10 images;
 - each command's peak memory (the largest resident set among the processes it ran);
 - the files and bytes under cache/ and results/.
 
 A line fitted through the two largest sizes extrapolates each figure to 10^6 and 10^7 images. The targets are
 issue 30's, at 10^6 images: a no-op rerun within 10 s, at most 10 s fixed cost around an incremental rerun, 4 GB of
-peak memory, and a few thousand cache files. `dvc repro` is not timed yet.
+peak memory, and a few thousand cache files.
 """
 
 from __future__ import annotations
@@ -91,38 +92,73 @@ def tree(folder: Path) -> dict:
 
 
 def measure(size: int, work: Path, model: Path) -> dict:
-    from sdpipe import config, io, project
+    from sdpipe import config, dvc_file, io, project
 
     folder = work / f"n{size}"
     shutil.rmtree(folder, ignore_errors=True)
     raw = folder / "data" / "raw"
     write_images(raw, 0, size)
     project.init(folder, "sd15-lora", raw, str(model), ["a square"])
-    io.write_yaml(folder / "bench.yaml", config.merge(SETTINGS, {"data": {"raw_dir": str(raw)}}))
+    # In the project's own config, so that `dvc repro` (whose stages run plain `snakemake`) sees them too.
+    # raw_dir relative, as a project that moves between machines has it: DVC tracks data/raw in the project.
+    user = folder / "config" / "config.yaml"
+    settings = config.merge(io.read_yaml(user), SETTINGS | {"data": {"raw_dir": "data/raw"}})
+    io.write_yaml(user, settings)
+    dvc_file.write(folder, config.from_dict(settings))
     snake = [sys.executable, "-m", "snakemake", "--profile", "runpod", "--cores", "2"]
-    configs = ["--configfile", "config/config.yaml", "bench.yaml"]
     logs = folder / "bench-logs"
     logs.mkdir()
     out = {"images": size}
     log.info("bookkeeping %d: first run to latents", size)
-    out["first"] = timed([*snake, "latents", *configs], folder, logs / "first.log")
-    out["noop"] = timed([*snake, "latents", *configs], folder, logs / "noop.log")
-    out["dry_run"] = timed([*snake, "-n", "latents", *configs], folder, logs / "dry.log")
+    out["first"] = timed([*snake, "latents"], folder, logs / "first.log")
+    out["noop"] = timed([*snake, "latents"], folder, logs / "noop.log")
+    out["dry_run"] = timed([*snake, "-n", "latents"], folder, logs / "dry.log")
+    out |= dvc_noop(folder, logs)
     write_images(raw, size, ADDED)
-    out["add"] = timed([*snake, "latents", *configs], folder, logs / "add.log")
+    out["add"] = timed([*snake, "latents"], folder, logs / "add.log")
     summary = json.loads((folder / "results" / "latents" / "summary.json").read_text())
     out["add"]["encoded"] = summary.get("encoded")
+    out["add"]["rules"] = rule_seconds(folder)
     out["cache"], out["results"] = tree(folder / "cache"), tree(folder / "results")
     log.info("bookkeeping %d: %s", size, json.dumps(out))
     return out
 
 
+def rule_seconds(folder: Path) -> dict:
+    """Each data rule's wall seconds in the last run, from its Snakemake `benchmark:` file (the last line)."""
+    out = {}
+    for rule in ("prepare", "caption", "latents"):
+        lines = (folder / "benchmarks" / f"{rule}.tsv").read_text().splitlines()
+        out[rule] = float(lines[-1].split("\t")[0])
+    return out
+
+
+def dvc_noop(folder: Path, logs: Path) -> dict:
+    """`dvc add data/raw`, then `dvc repro latents` once to record the stages (each reruns its rule: the caches
+    answer), then the no-op `dvc repro latents` that is timed as the figure."""
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+    for cmd in (["git", "init", "-q"], [*dvc, "init", "-q"]):
+        subprocess.run(cmd, cwd=folder, check=True, capture_output=True)
+    out = {"dvc_add": timed([*dvc, "add", "-q", "data/raw"], folder, logs / "dvc-add.log")}
+    out["dvc_first"] = timed([*dvc, "repro", "latents"], folder, logs / "dvc-first.log")
+    out["dvc_noop"] = timed([*dvc, "repro", "latents"], folder, logs / "dvc-noop.log")
+    return out
+
+
+def _rule_figure(rule: str):
+    return lambda r: r["add"].get("rules", {}).get(rule, float("nan"))  # nan: a row measured before rules were
+
+
+TIMED = ("first", "noop", "dry_run", "dvc_add", "dvc_first", "dvc_noop", "add")
 FIGURES = {
     "first run s": lambda r: r["first"]["s"],
     "no-op `snakemake latents` s": lambda r: r["noop"]["s"],
     "`snakemake -n` s": lambda r: r["dry_run"]["s"],
+    "`dvc add data/raw` s": lambda r: r["dvc_add"]["s"],
+    "no-op `dvc repro latents` s": lambda r: r["dvc_noop"]["s"],
     f"rerun after adding {ADDED} s": lambda r: r["add"]["s"],
-    "peak memory GB (any command)": lambda r: max(r[k]["peak_gb"] for k in ("first", "noop", "dry_run", "add")),
+    **{f"  of which `{rule}` s": _rule_figure(rule) for rule in ("prepare", "caption", "latents")},
+    "peak memory GB (any command)": lambda r: max(r[k]["peak_gb"] for k in TIMED if k in r),
     "cache files": lambda r: r["cache"]["files"],
     "cache GB": lambda r: r["cache"]["bytes"] / 1e9,
     "results files": lambda r: r["results"]["files"],
