@@ -153,6 +153,7 @@ class LatentsConfig:
     loader_threads: int
     cpu_processes: int
     compile: str
+    remote: str | None
 
 
 @dataclass(frozen=True)

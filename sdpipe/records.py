@@ -106,6 +106,8 @@ class LatentIndex(TypedDict):
     latent_store: str
     empty_text_key: str  # the empty caption's text states (caption dropout)
     text_store: str
+    # latents.remote: the S3 prefix of each store ({"latent": url, "text": url}), or None when the cache is local
+    remote_stores: dict[str, str] | None
     items: list[LatentItem]
     failed: list[Failure]
 

@@ -5,6 +5,7 @@ of the demo, the way profiles/kubernetes runs."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,12 +29,13 @@ def test_snakemake_moves_the_demo_through_s3_default_storage(tmp_path, demo_sour
     """Every rule's inputs come from the bucket and its outputs go there: a second machine with an empty project
     folder finds the pipeline done."""
     endpoint, client = s3
-    proj = make_project(
-        tmp_path / "proj",
-        demo_source,
-        prepare={"eval_fraction": 0.0, "workers": 1},
-        model={"train_vae": {"enabled": False}},
-    )
+    settings = {
+        "prepare": {"eval_fraction": 0.0, "workers": 1},
+        "model": {"train_vae": {"enabled": False}},
+        "latents": {"remote": "s3://sdpipe/proj-cache"},  # the latent cache's shards, for the second machine
+    }
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    proj = make_project(tmp_path / "proj", demo_source, **settings)
     for path in sorted((proj / "data" / "raw").rglob("*")):  # the data lives in the bucket, as on a cluster
         if path.is_file():
             client.upload_file(str(path), "sdpipe", f"proj/{path.relative_to(proj).as_posix()}")
@@ -49,7 +51,7 @@ def test_snakemake_moves_the_demo_through_s3_default_storage(tmp_path, demo_sour
         "--storage-s3-secret-key",
         KEYS["AWS_SECRET_ACCESS_KEY"],
     ]
-    run(["snakemake", "--cores", "2", *storage, "--", "latents"], proj)
+    run(["snakemake", "--cores", "2", *storage, "--", "latents"], proj, env=env)
     stored = _keys(client, "proj/")
     assert {
         "results/prepare/manifest.jsonl",
@@ -61,13 +63,15 @@ def test_snakemake_moves_the_demo_through_s3_default_storage(tmp_path, demo_sour
     latents = json.loads(client.get_object(Bucket="sdpipe", Key="proj/results/latents/summary.json")["Body"].read())
     assert latents["encoded"] == 40  # prepare read the 40 images from the bucket's copy of data/raw
 
-    elsewhere = make_project(
-        tmp_path / "elsewhere",
-        None,
-        model={"train_vae": {"enabled": False}},
-        prepare={"eval_fraction": 0.0, "workers": 1},
-    )
+    elsewhere = make_project(tmp_path / "elsewhere", None, **settings)
     shutil.copytree(proj / "data" / "raw", elsewhere / "data" / "raw")  # the listing Snakemake globs
-    again = run(["snakemake", "-n", "--cores", "1", *storage, "--", "latents"], elsewhere)
+    again = run(["snakemake", "-n", "--cores", "1", *storage, "--", "latents"], elsewhere, env=env)
     assert "Nothing to be done" in again.stdout + again.stderr
     assert not (elsewhere / "results" / "latents").exists()
+
+    # Issue 30: the second machine trains with no cache of its own: the index comes through Snakemake's storage,
+    # the shards from latents.remote, fetched into its own cache_dir as its samples need them.
+    run(["snakemake", "--cores", "2", *storage, "--", "train"], elsewhere, env=env)
+    assert "results/train/summary.json" in _keys(client, "proj/")
+    assert list((elsewhere / "cache" / "latents").glob("shard-*.safetensors"))
+    assert not (elsewhere / "cache" / "prepare.sqlite").exists()  # it never ran a data stage

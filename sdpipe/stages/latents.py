@@ -131,13 +131,36 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     seconds = time.perf_counter() - start
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
+    remotes = publish(cfg, stores)
     summary = _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
     extra = {"masks": mask_summary} if mask_summary else {}
+    if remotes:
+        extra["remote"] = remotes
     if held:
         extra["heldout_images"] = _add_heldout(outputs["index"], eval_items, wheres, eval_failed + worker_failed)
     if extra:
         io.write_json(outputs["summary"], summary | extra)
-    return summary
+    return summary | extra
+
+
+STORES = {"latent": "latents", "text": "text"}  # the index's name for a store -> its folder under cache_dir
+
+
+def remote_stores(cfg: Config) -> dict[str, str] | None:
+    """latents.remote's prefix of each store, as the index records them for training."""
+    url = cfg.latents.remote
+    return {kind: f"{url.rstrip('/')}/{folder}" for kind, folder in STORES.items()} if url else None
+
+
+def publish(cfg: Config, stores: dict[str, ShardStore]) -> dict | None:
+    """Upload the shards latents.remote lacks (sdpipe/remote_store.py); the counts per store, or None."""
+    remotes = remote_stores(cfg)
+    if not remotes:
+        return None
+    from sdpipe import remote_store
+
+    by_kind = {"latent": stores["image"], "text": stores["text"]}
+    return {kind: remote_store.publish(store.root, remotes[kind]) for kind, store in by_kind.items()}
 
 
 def _steady_rate(results: list[dict]) -> float | None:
@@ -177,6 +200,7 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
         "latent_store": str(Path(cfg.cache_dir) / "latents"),
         "empty_text_key": text_key("", model, cfg.latents.dtype),
         "text_store": str(Path(cfg.cache_dir) / "text"),
+        "remote_stores": remote_stores(cfg),
         "items": kept,
         "failed": failed,
     }

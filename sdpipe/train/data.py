@@ -39,8 +39,9 @@ class LatentData:
         if not self.items:
             raise UserError(f"{index_path} lists no training images; see results/latents/summary.json")
         stores = {"latent": Path(self.index["latent_store"]), "text": Path(self.index["text_store"])}
-        self.where = {kind: io.read_json(root / "index.json")["keys"] for kind, root in stores.items()}
+        self.remotes = self.index.get("remote_stores") or {}  # latents.remote: shards this node lacks come from there
         self.roots = stores
+        self.where = {kind: io.read_json(self._local(kind, "index.json"))["keys"] for kind in stores}
         self.stores = {kind: ShardStore(root) for kind, root in stores.items()} if verify else {}
         self._handles: dict[Path, Any] = {}  # shard -> safetensors' safe_open handle
         # Kohya-style repeats: an image with repeats=3 is three samples of an epoch.
@@ -90,10 +91,22 @@ class LatentData:
 
         shard = self.roots[kind] / self.where[kind][key]
         if shard not in self._handles:
+            shard = self._local(kind, shard.name)
             if kind in self.stores:
                 self.stores[kind].check(shard)
             self._handles[shard] = safe_open(str(shard), framework="pt")
         return self._handles[shard].get_tensor(f"{key}{SEP}{field}")
+
+    def _local(self, kind: str, name: str) -> Path:
+        """The store's file `name` on this node: fetched whole from latents.remote the first time it is missing."""
+        path = self.roots[kind] / name
+        if path.is_file():
+            return path
+        if kind not in self.remotes:
+            raise UserError(f"{path} is missing from the latent cache; run `snakemake --forcerun latents`")
+        from sdpipe import remote_store
+
+        return remote_store.fetch(self.remotes[kind], name, self.roots[kind])
 
     def batch(
         self, samples: list[int], flips: list[bool], drop_caption: list[bool], variants: list[int] | None = None
