@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from sdpipe import sources
+
 
 class ImageRejected(Exception):
     """The file is not a usable image; the message is the one-line reason for the rejected list."""
@@ -44,7 +46,7 @@ def load_rgb(
     source: str | Path | bytes, background=(255, 255, 255), max_pixels: int = 89478485, min_size: int = 1
 ) -> Image.Image:
     """Open, fully decode, apply EXIF orientation and convert to RGB. Raise ImageRejected with a reason."""
-    data = Path(source).read_bytes() if not isinstance(source, bytes) else source
+    data = sources.read_bytes(source) if not isinstance(source, bytes) else source
     if not data:
         raise ImageRejected("empty file (0 bytes)")
     # Our own bomb check below reads only the header, before any pixel is decoded; Pillow's global one would
@@ -77,7 +79,7 @@ def load_checked(
     """load_rgb for a later stage: the bytes must still be the ones prepare named `image_id`."""
     from sdpipe.hashing import sha256_bytes
 
-    data = Path(path).read_bytes()
+    data = sources.read_bytes(path)
     if sha256_bytes(data) != image_id:
         raise ImageRejected("file changed since prepare; rerun prepare")
     return load_rgb(data, background=background, max_pixels=max_pixels)

@@ -11,13 +11,14 @@ mask alone, never a latent, and masks need no model, so they are computed in the
 
 from __future__ import annotations
 
+from io import BytesIO
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from sdpipe import hashing
+from sdpipe import hashing, sources
 from sdpipe.preprocess import Preprocess, cover_and_crop
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def _grey(job: dict) -> Image.Image | None:
     """The mask at the file's own size (mode L), or None where the image has none."""
     if job["source"] == "file" and job["mask_file"] is None:
         return None
-    img = Image.open(job["mask_file"] or job["file"])
+    img = Image.open(BytesIO(sources.read_bytes(job["mask_file"] or job["file"])))  # a tar shard's member too
     img = ImageOps.exif_transpose(img)  # as the image's pixels were (sdpipe.images.load_rgb)
     if job["source"] == "file":
         return img.convert("L")

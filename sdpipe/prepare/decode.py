@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 
-from sdpipe import hashing
+from sdpipe import hashing, sources
 from sdpipe.kvstore import KVStore
 from sdpipe.log import progress
 
@@ -42,11 +41,7 @@ def decode_key(image_id: str, params: dict) -> str:
 
 
 def stat_of(path: str) -> list[int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return sources.stat(path)
 
 
 def inspect_file(path: str, params: dict, db: str) -> dict:
@@ -58,7 +53,7 @@ def inspect_file(path: str, params: dict, db: str) -> dict:
     """
     stat = stat_of(path)
     try:
-        data = Path(path).read_bytes()
+        data = sources.read_bytes(path)
     except OSError as exc:
         return {"id": None, "reason": f"cannot read: {exc.strerror or exc}", "stat": None, "entry": None}
     image_id = hashing.sha256_bytes(data)

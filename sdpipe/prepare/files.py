@@ -10,17 +10,23 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
+from sdpipe import sources
+
 SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
 
 
 # --- scanning and sidecars ---------------------------------------------------------------------------------------
 
 
-def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
+def scan(
+    raw: Path, caption_extensions: list[str], skipped: list[str] | None = None, broken: list[dict] | None = None
+) -> tuple[list[str], list[str]]:
     """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
-    plain files are skipped, and listed in `skipped` when it is given."""
+    plain files are skipped, and listed in `skipped` when it is given. A tar shard is read as a folder of its
+    members (sdpipe/sources.py); one that cannot be read whole goes into `broken` as {"path", "reason"}."""
     captions = {ext.lower() for ext in caption_extensions}
     images, sidecars, skipped = [], [], [] if skipped is None else skipped
+    broken = [] if broken is None else broken
     for folder, dirs, files in os.walk(raw):
         skipped += [Path(folder, d, "").relative_to(raw).as_posix() + "/" for d in dirs if d.startswith(".")]
         dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -30,8 +36,18 @@ def scan(raw: Path, caption_extensions: list[str], skipped: list[str] | None = N
                 skipped.append(path.relative_to(raw).as_posix())
                 continue
             rel = path.relative_to(raw).as_posix()
-            (sidecars if path.suffix.lower() in captions else images).append(rel)
+            names = _shard_members(path, rel, broken) if name.endswith(sources.SHARD_SUFFIX) else [rel]
+            for one in names:
+                (sidecars if PurePosixPath(one).suffix.lower() in captions else images).append(one)
     return sorted(images), sorted(sidecars)
+
+
+def _shard_members(path: Path, rel: str, broken: list[dict]) -> list[str]:
+    """A tar shard's members as paths under raw (hidden ones left out); a shard read in part goes into `broken`."""
+    if why := sources.problem(path):
+        broken.append({"path": rel, "reason": why})
+    visible = (m for m in sources.members(path) if not any(p.startswith(".") for p in m.split("/")))
+    return [f"{rel}/{member}" for member in visible]
 
 
 def match_sidecars(
@@ -63,7 +79,7 @@ def match_sidecars(
 def read_sidecar(path: Path) -> tuple[str | None, str | None]:
     """(caption or None when empty, None), or (None, reason) when the file cannot be used."""
     try:
-        data = path.read_bytes()
+        data = sources.read_bytes(path)
     except OSError as exc:
         return None, f"cannot read: {exc.strerror or exc}"
     bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0

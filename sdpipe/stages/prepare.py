@@ -136,7 +136,8 @@ def sidecar_warnings(
 # --- the stage ---------------------------------------------------------------------------------------------------
 
 
-def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
+def _candidates(cfg: Config, broken: list[dict]) -> tuple[Path, list[str], list[str]]:
+    """(raw_dir, images, sidecars); tar shards that cannot be read whole are added to `broken`."""
     raw = Path(cfg.data.raw_dir)
     hint = f"put images there or run `sdpipe demo --out {cfg.data.raw_dir}`"
     if not raw.exists():
@@ -144,7 +145,7 @@ def _candidates(cfg: Config) -> tuple[Path, list[str], list[str]]:
     if not raw.is_dir():
         raise UserError(f"data.raw_dir: {cfg.data.raw_dir} is a file, not a folder; {hint}")
     skipped: list[str] = []
-    images, sidecars = scan(raw, cfg.data.caption_extensions, skipped)
+    images, sidecars = scan(raw, cfg.data.caption_extensions, skipped, broken)
     if cfg.data.masks.source == "file":  # loss masks beside their images (the latents stage reads them)
         from sdpipe.latents.masks import is_mask_file
 
@@ -323,13 +324,15 @@ def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict],
 
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
-    raw, images, sidecars = _candidates(cfg)
+    broken: list[dict] = []
+    raw, images, sidecars = _candidates(cfg, broken)
     params = validation_params(cfg)
     workers = cfg.prepare.workers or os.cpu_count() or 1
     results = inspect_all(raw, images, params, cfg.cache_dir, workers)
     sidecar_of, shadowed = match_sidecars(images, sidecars, cfg.data.caption_extensions)
     out = collect(cfg, raw, images, results, sidecar_of)
     out.warnings += sidecar_warnings(sidecars, sidecar_of, out, shadowed)
+    out.rejected += broken
     out.rejected.sort(key=lambda r: r["path"])
     _check_usable(cfg, out, len(images))
     summary = summarize(cfg, out, len(images) + len(sidecars), params)
