@@ -6,9 +6,10 @@ manifest from these; `sdpipe init` and `check-config` count a folder's images wi
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from sdpipe import sources
 
@@ -23,23 +24,37 @@ def scan(
 ) -> tuple[list[str], list[str]]:
     """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
     plain files are skipped, and listed in `skipped` when it is given. A tar shard is read as a folder of its
-    members (sdpipe/sources.py); one that cannot be read whole goes into `broken` as {"path", "reason"}."""
+    members (sdpipe/sources.py); one that cannot be read whole goes into `broken` as {"path", "reason"}.
+    Strings and os.scandir rather than Path objects: this walks 10^6 files on every prepare run."""
     captions = {ext.lower() for ext in caption_extensions}
     images, sidecars, skipped = [], [], [] if skipped is None else skipped
     broken = [] if broken is None else broken
-    for folder, dirs, files in os.walk(raw):
-        skipped += [Path(folder, d, "").relative_to(raw).as_posix() + "/" for d in dirs if d.startswith(".")]
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in files:
-            path = Path(folder, name)
-            if name.startswith(".") or not path.is_file():  # is_file drops FIFOs, which would block a read
-                skipped.append(path.relative_to(raw).as_posix())
-                continue
-            rel = path.relative_to(raw).as_posix()
-            names = _shard_members(path, rel, broken) if name.endswith(sources.SHARD_SUFFIX) else [rel]
-            for one in names:
-                (sidecars if PurePosixPath(one).suffix.lower() in captions else images).append(one)
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(os.path.join(raw, rel_dir) if rel_dir else raw) as found:
+            entries = list(found)
+        for entry in entries:
+            rel = rel_dir + entry.name
+            if entry.name.startswith("."):
+                skipped.append(rel + "/" if entry.is_dir() else rel)
+            elif entry.is_dir(follow_symlinks=False):  # as os.walk: a linked folder is not entered (no loops)
+                stack.append(rel + "/")
+            elif not entry.is_file():  # FIFOs (a read would block), sockets, broken links, linked folders
+                skipped.append(rel)
+            else:
+                names = _shard_members(Path(entry.path), rel, broken) if rel.endswith(sources.SHARD_SUFFIX) else [rel]
+                for one in names:
+                    (sidecars if split_name(one)[2].lower() in captions else images).append(one)
     return sorted(images), sorted(sidecars)
+
+
+def split_name(rel: str) -> tuple[str, str, str]:
+    """(parent, stem, suffix) of a posix path, as PurePosixPath gives them ("." for no parent), without one."""
+    parent, _, name = rel.rpartition("/")
+    dot = name.rfind(".")
+    stem, suffix = (name[:dot], name[dot:]) if 0 < dot < len(name) - 1 else (name, "")
+    return parent or ".", stem, suffix
 
 
 def _shard_members(path: Path, rel: str, broken: list[dict]) -> list[str]:
@@ -60,17 +75,16 @@ def match_sidecars(
     rank = {ext.lower(): i for i, ext in enumerate(caption_extensions)}
     by_key: dict[tuple[str, str], str] = {}
     shadowed = {}
-    for rel in sorted(sidecars, key=lambda r: (rank[PurePosixPath(r).suffix.lower()], r)):
-        p = PurePosixPath(rel)
-        key = (str(p.parent), p.stem)
-        if key in by_key:
-            shadowed[rel] = by_key[key]
+    for rel in sorted(sidecars, key=lambda r: (rank[split_name(r)[2].lower()], r)):
+        parent, stem, _ = split_name(rel)
+        if (parent, stem) in by_key:
+            shadowed[rel] = by_key[(parent, stem)]
         else:
-            by_key[key] = rel
+            by_key[(parent, stem)] = rel
     found = {}
     for rel in images:
-        p = PurePosixPath(rel)
-        side = by_key.get((str(p.parent), p.stem)) or by_key.get((str(p.parent), p.name))
+        parent, stem, suffix = split_name(rel)
+        side = by_key.get((parent, stem)) or by_key.get((parent, stem + suffix))
         if side:
             found[rel] = side
     return found, shadowed
@@ -99,7 +113,7 @@ def read_sidecar(path: Path) -> tuple[str | None, str | None]:
 
 def kohya_folder(rel: str) -> tuple[int, str]:
     """(repeats, folder name): "10_sks dog" -> (10, "sks dog"); any other leaf folder repeats once."""
-    leaf = PurePosixPath(rel).parent.name
+    leaf = rel.rpartition("/")[0].rpartition("/")[2]
     match = re.fullmatch(r"(\d+)_(.+)", leaf)
     if match and int(match[1]) > 0:
         return int(match[1]), match[2]
@@ -111,11 +125,16 @@ def split_of(image_id: str, eval_fraction: float) -> str:
     return "eval" if int(image_id[:8], 16) / 2**32 < eval_fraction else "train"
 
 
-def extension_warning(rel: str, fmt: str) -> str | None:
+@functools.cache
+def _registered() -> dict[str, str]:
     from PIL import Image
 
-    ext = PurePosixPath(rel).suffix.lower()
-    expected = Image.registered_extensions().get(ext)
+    return Image.registered_extensions()
+
+
+def extension_warning(rel: str, fmt: str) -> str | None:
+    ext = split_name(rel)[2].lower()
+    expected = _registered().get(ext)
     if expected == SAME_FORMAT.get(fmt, fmt):
         return None
     return f"{rel}: the extension is {ext or '(none)'} but the content is {fmt}; accepted as {fmt}"
@@ -136,7 +155,7 @@ def fingerprint(raw: Path) -> str:
         with os.scandir(raw / rel if rel else raw) as found:
             entries = sorted((e for e in found if not e.name.startswith(".")), key=lambda e: e.name)
         for e in entries:
-            if e.is_dir():
+            if e.is_dir(follow_symlinks=False):
                 stack.append(f"{rel}{e.name}/")
             elif e.is_file():
                 st = e.stat()
