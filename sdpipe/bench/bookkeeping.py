@@ -29,6 +29,7 @@ from pathlib import Path
 log = logging.getLogger("sdpipe.bench")
 SIZE = (48, 40)
 ADDED = 10
+SHARD = 1000  # images per tar shard (--layout tar)
 EXTRAPOLATE = (10**6, 10**7)
 TARGETS = {"noop_s": 10.0, "dry_run_s": 10.0, "add_fixed_s": 10.0, "peak_gb": 4.0, "cache_files": 5000}
 SETTINGS = {
@@ -47,23 +48,56 @@ def add_arguments(p) -> None:
     p.add_argument("--work", default="/tmp/sdpipe-bookkeeping", help="scratch: one project per size")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="bookkeeping")
+    p.add_argument(
+        "--layout",
+        choices=["files", "tar"],
+        default="files",
+        help="files: an image and its sidecar per image; tar: webdataset shards of 1000 images (10 added: a shard)",
+    )
 
 
-def write_images(raw: Path, start: int, count: int) -> None:
-    """`count` small PNGs with sidecar captions, image i a flat colour with a square (unique by content)."""
+def image_bytes(i: int) -> tuple[bytes, bytes]:
+    """Image i, a small PNG (a flat colour with a square, unique by content), and its caption."""
+    import io as bytes_io
+
     from PIL import Image, ImageDraw
 
+    img = Image.new("RGB", SIZE, ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
+    ImageDraw.Draw(img).rectangle([i % 20, (i // 20) % 16, i % 20 + 8, (i // 20) % 16 + 8], fill=(i % 256, 0, 255))
+    ImageDraw.Draw(img).point([(i // 320) % SIZE[0], (i // 15360) % SIZE[1]], fill=((i // 7) % 256, 1, 2))
+    buf = bytes_io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue(), f"a square, picture {i}\n".encode()
+
+
+def write_images(raw: Path, start: int, count: int, layout: str = "files") -> None:
+    """Images start..start+count with their captions: as files, or as tar shards of SHARD images."""
     raw.mkdir(parents=True, exist_ok=True)
+    if layout == "tar":
+        firsts = range(start, start + count, SHARD)
+        with ThreadPoolExecutor() as pool:
+            list(pool.map(lambda first: _write_shard(raw, first, min(SHARD, start + count - first)), firsts))
+        return
 
     def one(i: int) -> None:
-        img = Image.new("RGB", SIZE, ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
-        ImageDraw.Draw(img).rectangle([i % 20, (i // 20) % 16, i % 20 + 8, (i // 20) % 16 + 8], fill=(i % 256, 0, 255))
-        ImageDraw.Draw(img).point([(i // 320) % SIZE[0], (i // 15360) % SIZE[1]], fill=((i // 7) % 256, 1, 2))
-        img.save(raw / f"img{i:08d}.png")
-        (raw / f"img{i:08d}.txt").write_text(f"a square, picture {i}\n")
+        image, caption = image_bytes(i)
+        (raw / f"img{i:08d}.png").write_bytes(image)
+        (raw / f"img{i:08d}.txt").write_bytes(caption)
 
     with ThreadPoolExecutor() as pool:
         list(pool.map(one, range(start, start + count)))
+
+
+def _write_shard(raw: Path, first: int, count: int) -> None:
+    import io as bytes_io
+    import tarfile
+
+    with tarfile.open(raw / f"{first:09d}.tar", "w") as tf:
+        for i in range(first, first + count):
+            for name, data in zip((f"img{i:08d}.png", f"img{i:08d}.txt"), image_bytes(i)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, bytes_io.BytesIO(data))
 
 
 def timed(cmd: list[str], cwd: Path, logfile: Path) -> dict:
@@ -91,13 +125,13 @@ def tree(folder: Path) -> dict:
     return {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
 
 
-def measure(size: int, work: Path, model: Path) -> dict:
+def measure(size: int, work: Path, model: Path, layout: str = "files") -> dict:
     from sdpipe import config, dvc_file, io, project
 
     folder = work / f"n{size}"
     shutil.rmtree(folder, ignore_errors=True)
     raw = folder / "data" / "raw"
-    write_images(raw, 0, size)
+    write_images(raw, 0, size, layout)
     project.init(folder, "sd15-lora", raw, str(model), ["a square"])
     # In the project's own config, so that `dvc repro` (whose stages run plain `snakemake`) sees them too.
     # raw_dir relative, as a project that moves between machines has it: DVC tracks data/raw in the project.
@@ -114,7 +148,7 @@ def measure(size: int, work: Path, model: Path) -> dict:
     out["noop"] = timed([*snake, "latents"], folder, logs / "noop.log")
     out["dry_run"] = timed([*snake, "-n", "latents"], folder, logs / "dry.log")
     out |= dvc_noop(folder, logs)
-    write_images(raw, size, ADDED)
+    write_images(raw, size, ADDED, layout)
     out["add"] = timed([*snake, "latents"], folder, logs / "add.log")
     summary = json.loads((folder / "results" / "latents" / "summary.json").read_text())
     out["add"]["encoded"] = summary.get("encoded")
@@ -189,7 +223,8 @@ def markdown(results: dict) -> str:
     fitted = EXTRAPOLATE if fits else ()
     head = ["figure", *[f"{r['images']:,}" for r in rows], *[f"{n:.0e} (fit)" for n in fitted]]
     lines = [
-        f"## Bookkeeping as the dataset grows ({results['machine']}, commit {results['commit']})",
+        f"## Bookkeeping as the dataset grows ({results.get('layout', 'files')} layout, {results['machine']}, "
+        f"commit {results['commit']})",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -214,9 +249,10 @@ def run(args) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model = presets.build_and_save("tiny", work / "tiny", seed=0)
-    rows = [measure(n, work, model) for n in sorted(args.images)]
+    rows = [measure(n, work, model, args.layout) for n in sorted(args.images)]
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "layout": args.layout,
         "commit": git_state()[0],
         "rows": rows,
         "fits": extrapolate(rows),
