@@ -27,7 +27,7 @@ COPY pyproject.toml README.md ./
 COPY sdpipe sdpipe
 # A plain (non-editable) install, then the source goes: the workflow runs from the installed package, which ships
 # what it reads at run time (tests/test_install.py takes the same steps).
-RUN pip install -c requirements/constraints.txt ".[workflow,optimizers]" && pip install --no-deps -r requirements/no-deps.txt \
+RUN pip install -c requirements/constraints.txt ".[workflow,optimizers,tables]" && pip install --no-deps -r requirements/no-deps.txt \
     && rm -rf sdpipe build
 COPY Snakefile dvc.yaml ./
 COPY workflow workflow

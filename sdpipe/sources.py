@@ -1,13 +1,19 @@
-"""Where a raw image's bytes come from: a plain file, or a member of a tar shard under data.raw_dir.
+"""Where a raw image's bytes come from: a plain file, or a member of a container under data.raw_dir, read as if
+the container were a folder.
 
-Large datasets travel as tar shards in the webdataset layout: `000001.tar` holding `key.jpg` with its caption
-`key.txt`. sdpipe reads a shard as if it were a folder, so `shards/000001.tar/key.jpg` names a member, its
-caption pairs with it as a sidecar does with a file, and every stage reads it through `read_bytes`. Nothing is
-unpacked: one shard is one file for the fingerprint and the disk, and a member is one seek and one read, from an
-index of the shard's members built once per process.
+- Tar shards in the webdataset layout: `000001.tar` holding `key.jpg` with its caption `key.txt`, so
+  `shards/000001.tar/key.jpg` names a member and `key.txt` is its sidecar.
+- Parquet tables of (image, caption) rows, a LAION subset or a Hugging Face datasets export: row 42 of
+  `table.parquet` is `table.parquet/000000042.image`, its caption `table.parquet/000000042.txt`
+  (sdpipe/tables.py).
+
+Every stage reads through `read_bytes`, and nothing is unpacked: a container is one file for the fingerprint, for
+DVC and on disk, and a member is one seek and one read (a tar) or a row of a decoded row group (a table), from an
+index of the container built once per process.
 
 Only uncompressed tars are read: a member of a .tar.gz cannot be reached without decompressing all before it.
-A shard cut short keeps its complete members, and prepare lists it as rejected with the reason.
+A tar cut short keeps its complete members, and prepare lists it as rejected with the reason, as it does a
+container it cannot read at all.
 """
 
 from __future__ import annotations
@@ -17,77 +23,101 @@ import os
 import tarfile
 from pathlib import Path
 
-SHARD_SUFFIX = ".tar"
+from sdpipe import tables
+
+TAR = ".tar"
+SUFFIXES = (TAR, tables.SUFFIX)
 
 
 class ShardError(Exception):
-    """A tar shard that cannot be read (or only in part): the reason, one line."""
+    """A container that cannot be read (or only in part): the reason, one line."""
+
+
+def is_container(name: str) -> bool:
+    return name.endswith(SUFFIXES)
 
 
 def split_member(path: str | Path) -> tuple[Path, str] | None:
-    """(shard, member name) when `path` goes through a tar shard, else None."""
-    if f"{SHARD_SUFFIX}{os.sep}" not in str(path):
-        return None  # the common case, without building a Path (prepare asks this of 10^6 files)
-    parts = Path(path).parts
-    for i, part in enumerate(parts[:-1]):
-        if part.endswith(SHARD_SUFFIX):
-            shard = Path(*parts[: i + 1])
-            if shard.is_file():
-                return shard, "/".join(parts[i + 1 :])
+    """(container, member name) when `path` goes through a container, else None. String work and a cached check
+    that the container is a file: prepare asks this of each of 10^6 paths."""
+    text = str(path)
+    for suffix in SUFFIXES:
+        at = text.find(f"{suffix}{os.sep}")
+        while at >= 0:
+            end = at + len(suffix)
+            if _is_file(text[:end]):
+                return Path(text[:end]), text[end + 1 :].replace(os.sep, "/")
+            at = text.find(f"{suffix}{os.sep}", end)
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_file(path: str) -> bool:
+    return os.path.isfile(path)
+
+
 def read_bytes(path: str | Path) -> bytes:
-    """The bytes of a file, or of a tar shard's member; OSError (FileNotFoundError for a missing member)."""
+    """The bytes of a file, or of a container's member; OSError (FileNotFoundError for a missing member)."""
     inside = split_member(path)
     if inside is None:
         return Path(path).read_bytes()
-    shard, name = inside
-    offset, size = members(shard).get(name, (None, 0))
-    if offset is None:
-        raise FileNotFoundError(2, "no such member in its tar shard", str(path))
-    with open(shard, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+    container, name = inside
+    where = members(container).get(name)
+    if where is None:
+        raise FileNotFoundError(2, "no such member in its container", str(path))
+    if container.name.endswith(tables.SUFFIX):
+        return tables.read(container, where)
+    with open(container, "rb") as f:
+        f.seek(where[0])
+        return f.read(where[1])
 
 
-def stat(path: str | Path) -> list[int] | None:
+def stat(path: str | Path) -> list | None:
     """What prepare's memo compares to know a file unchanged: size, mtime, ctime and inode; for a member, its
-    shard's, with the member's offset (a rewritten shard changes them all)."""
+    container's, with where the member lies in it (a rewritten container changes them all)."""
     inside = split_member(path)
     try:
         st = os.stat(inside[0] if inside else path)
     except OSError:
         return None
-    extra = [members(inside[0]).get(inside[1], (-1, 0))[0]] if inside else []
+    extra = list(members(inside[0]).get(inside[1], ())) if inside else []
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *extra]
 
 
-def members(shard: Path) -> dict[str, tuple[int, int]]:
-    """{member name: (data offset, size)} of the shard's regular files (empty if it cannot be read)."""
+def members(container: Path) -> dict[str, tuple]:
+    """{member name: where it lies} of the container's members (empty if it cannot be read)."""
     try:
-        return _index(shard, *_identity(shard))[0]
+        return _index(container, *_identity(container))[0]
     except ShardError:
         return {}
 
 
-def problem(shard: Path) -> str | None:
-    """Why the shard cannot be read whole, or None."""
+def problem(container: Path) -> str | None:
+    """Why the container cannot be read whole, or None."""
     try:
-        return _index(shard, *_identity(shard))[1]
+        return _index(container, *_identity(container))[1]
     except ShardError as exc:
         return str(exc)
 
 
-def _identity(shard: Path) -> tuple[int, int]:
-    st = os.stat(shard)
+def _identity(container: Path) -> tuple[int, int]:
+    st = os.stat(container)
     return st.st_size, st.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=64)
-def _index(shard: Path, size: int, mtime_ns: int) -> tuple[dict[str, tuple[int, int]], str | None]:
+def _index(container: Path, size: int, mtime_ns: int) -> tuple[dict[str, tuple], str | None]:
+    if container.name.endswith(tables.SUFFIX):
+        try:
+            return tables.index(container), None
+        except tables.TableError as exc:
+            raise ShardError(str(exc)) from None
+    return _tar_index(container, size)
+
+
+def _tar_index(shard: Path, size: int) -> tuple[dict[str, tuple], str | None]:
     """The shard's members, read from its headers (a seek per member), and why it stopped early, if it did."""
-    found: dict[str, tuple[int, int]] = {}
+    found: dict[str, tuple] = {}
     short = None
     try:
         with tarfile.open(shard, "r:") as tf:

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from sdpipe import sources
+from sdpipe import sources, tables
 
 SAME_FORMAT = {"MPO": "JPEG"}  # camera JPEGs with a preview image open as MPO; .jpg is still right for them
 
@@ -23,8 +23,9 @@ def scan(
     raw: Path, caption_extensions: list[str], skipped: list[str] | None = None, broken: list[dict] | None = None
 ) -> tuple[list[str], list[str]]:
     """(image candidates, sidecar captions) as sorted posix paths relative to raw. Hidden names and anything but
-    plain files are skipped, and listed in `skipped` when it is given. A tar shard is read as a folder of its
-    members (sdpipe/sources.py); one that cannot be read whole goes into `broken` as {"path", "reason"}.
+    plain files are skipped, and listed in `skipped` when it is given. A tar shard or a parquet table is read as a
+    folder of its members (sdpipe/sources.py); one that cannot be read whole goes into `broken` as {"path",
+    "reason"}.
     Strings and os.scandir rather than Path objects: this walks 10^6 files on every prepare run."""
     captions = {ext.lower() for ext in caption_extensions}
     images, sidecars, skipped = [], [], [] if skipped is None else skipped
@@ -43,7 +44,7 @@ def scan(
             elif not entry.is_file():  # FIFOs (a read would block), sockets, broken links, linked folders
                 skipped.append(rel)
             else:
-                names = _shard_members(Path(entry.path), rel, broken) if rel.endswith(sources.SHARD_SUFFIX) else [rel]
+                names = _shard_members(Path(entry.path), rel, broken) if sources.is_container(rel) else [rel]
                 for one in names:
                     (sidecars if split_name(one)[2].lower() in captions else images).append(one)
     return sorted(images), sorted(sidecars)
@@ -58,7 +59,7 @@ def split_name(rel: str) -> tuple[str, str, str]:
 
 
 def _shard_members(path: Path, rel: str, broken: list[dict]) -> list[str]:
-    """A tar shard's members as paths under raw (hidden ones left out); a shard read in part goes into `broken`."""
+    """A container's members as paths under raw (hidden ones left out); one read in part goes into `broken`."""
     if why := sources.problem(path):
         broken.append({"path": rel, "reason": why})
     visible = (m for m in sources.members(path) if not any(p.startswith(".") for p in m.split("/")))
@@ -133,6 +134,8 @@ def _registered() -> dict[str, str]:
 
 
 def extension_warning(rel: str, fmt: str) -> str | None:
+    if f"{tables.SUFFIX}/" in rel:
+        return None  # a table row's name is sdpipe's (000000042.image), not the user's
     ext = split_name(rel)[2].lower()
     expected = _registered().get(ext)
     if expected == SAME_FORMAT.get(fmt, fmt):
