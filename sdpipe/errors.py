@@ -16,6 +16,7 @@ def disk_full(exc: BaseException) -> bool:
     return any(
         (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
         or "No space left on device" in str(e)
+        or "database or disk is full" in str(e)  # SQLite (the prepare and caption caches)
         or "os error 28" in str(e)
         for e in seen
     )

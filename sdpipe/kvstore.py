@@ -48,9 +48,9 @@ class KVStore:
         """Run `work(db)`; if the file is damaged, set it aside and run it once more on a fresh one."""
         try:
             return work(self._connect())
-        except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-                raise
+        except sqlite3.OperationalError:
+            raise  # locked past the timeout, a full disk, a read-only folder: the file is fine, so it stays
+        except sqlite3.DatabaseError as exc:  # not a database, or a malformed one
             self._set_aside(exc)
             return work(self._connect())
 

@@ -47,3 +47,24 @@ def test_captions_of_the_old_folder_cache_are_imported(tmp_path):
     (old / "abd.json").write_text("{ damaged")
     found = captioners.read_cache(tmp_path / "captions.sqlite", ["abc", "abd"])
     assert found == {"abc": {"key": "abc", "source": "blip", "caption": "a dog"}}
+
+
+def test_a_full_disk_leaves_the_file_in_place_and_reads_as_a_full_disk(tmp_path, monkeypatch):
+    """SQLite's full disk (or a lock held past the timeout) is an OperationalError: the cache is fine and stays;
+    the CLI then says the disk is full in one line (sdpipe.errors.disk_full)."""
+    import sqlite3
+
+    import pytest
+
+    from sdpipe.errors import disk_full
+
+    store = KVStore(tmp_path / "c.sqlite")
+    store.put("entries", "k", 1)
+
+    def full(db):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with pytest.raises(sqlite3.OperationalError) as caught:
+        store._guarded(full)
+    assert disk_full(caught.value) and not (tmp_path / "c.sqlite.damaged").exists()
+    assert store.get("entries", "k") == 1
