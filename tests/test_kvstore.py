@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import sqlite3
+
+import pytest
 
 from sdpipe import captioners
+from sdpipe.errors import disk_full
 from sdpipe.kvstore import KVStore
 
 
@@ -52,12 +56,6 @@ def test_captions_of_the_old_folder_cache_are_imported(tmp_path):
 def test_a_full_disk_leaves_the_file_in_place_and_reads_as_a_full_disk(tmp_path, monkeypatch):
     """SQLite's full disk (or a lock held past the timeout) is an OperationalError: the cache is fine and stays;
     the CLI then says the disk is full in one line (sdpipe.errors.disk_full)."""
-    import sqlite3
-
-    import pytest
-
-    from sdpipe.errors import disk_full
-
     store = KVStore(tmp_path / "c.sqlite")
     store.put("entries", "k", 1)
 
