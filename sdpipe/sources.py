@@ -78,9 +78,9 @@ def stat(path: str | Path) -> list | None:
     inside = split_member(path)
     try:
         st = os.stat(inside[0] if inside else path)
-    except OSError:
+        extra = list(_index(inside[0], st.st_size, st.st_mtime_ns)[0].get(inside[1], ())) if inside else []
+    except (OSError, ShardError):
         return None
-    extra = list(members(inside[0]).get(inside[1], ())) if inside else []
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *extra]
 
 

@@ -506,3 +506,25 @@ def test_every_skipped_or_rejected_file_is_named_in_the_log(tmp_path, caplog):
     assert "rejected empty.png: empty file (0 bytes)" in caplog.text
     assert "3 hidden or special entries skipped" in caplog.text
     assert all(name in caplog.text for name in (".hidden/", ".d.png", "gone.png"))
+
+
+def test_the_fingerprint_sees_every_change_but_hidden_files(tmp_path):
+    """Snakemake reruns prepare on it (issue 30), so a missed change would leave the manifest stale."""
+    from sdpipe.prepare.files import fingerprint
+
+    raw = tmp_path / "raw"
+    put(raw, "sub/a.png", solid("red"))
+    put(raw, "b.txt", b"a caption")
+    seen = [fingerprint(raw)]
+    put(raw, ".DS_Store", b"junk")
+    assert fingerprint(raw) == seen[-1]
+    st = (raw / "b.txt").stat()
+    os.utime(raw / "b.txt", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched
+    seen.append(fingerprint(raw))
+    put(raw, "sub/a.png", solid("blue"))  # replaced in place, same size
+    seen.append(fingerprint(raw))
+    put(raw, "sub/deeper/c.png", solid("green"))  # added
+    seen.append(fingerprint(raw))
+    (raw / "b.txt").unlink()  # removed
+    seen.append(fingerprint(raw))
+    assert len(set(seen)) == len(seen) and fingerprint(tmp_path / "nowhere") == "missing"

@@ -146,21 +146,24 @@ def extension_warning(rel: str, fmt: str) -> str | None:
 def fingerprint(raw: Path) -> str:
     """A digest of the folder's listing: each file's relative path, size, mtime and ctime (hidden names skipped, as
     scan skips them). A file added, removed, replaced or edited changes it, and no content is read: one stat per
-    file, about 3 us on a slow CPU. It decides whether prepare looks at the folder again; prepare's caches are keyed
-    by content, so a file touched but unchanged costs a rehash of that file only."""
+    file, about 3-9 us on a slow CPU. It decides whether prepare looks at the folder again; prepare's caches are
+    keyed by content, so a file touched but unchanged costs a rehash of that file only. Hashed a folder at a time,
+    so its memory is one folder's listing, not the tree's."""
     import hashlib
 
     if not raw.is_dir():
         return "missing"
-    lines, stack = [], [""]
+    digest, stack = hashlib.blake2b(digest_size=16), [""]
     while stack:
         rel = stack.pop()
         with os.scandir(raw / rel if rel else raw) as found:
             entries = sorted((e for e in found if not e.name.startswith(".")), key=lambda e: e.name)
+        lines = []
         for e in entries:
             if e.is_dir(follow_symlinks=False):
                 stack.append(f"{rel}{e.name}/")
             elif e.is_file():
                 st = e.stat()
-                lines.append(f"{rel}{e.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
-    return hashlib.blake2b("\n".join(lines).encode(), digest_size=16).hexdigest()
+                lines.append(f"{rel}{e.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n")
+        digest.update("".join(lines).encode())
+    return digest.hexdigest()
