@@ -1,5 +1,8 @@
 """`sdpipe bench-dag` on the CPU: the whole DAG through `snakemake --profile runpod` in a seeded project, and the
-per-stage wall times, steady rates and the warm start it reports (the GPU numbers come from the same code)."""
+per-stage wall times, steady rates and the warm start it reports (the GPU numbers come from the same code).
+
+The tiny job's images are webdataset tar shards and its latent cache is published to a loopback S3 server, then
+trained from there with no local cache: issue 30's data path, through Snakemake end to end."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ import pytest
 
 from sdpipe.bench import dag_report, peer
 from tests.conftest import REPO
+from tests.services import s3  # noqa: F401  (the loopback S3 fixture)
 
 
 @pytest.mark.slow
-def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
+def test_the_tiny_job_runs_every_stage_from_tar_shards_and_trains_from_s3(tmp_path, s3, monkeypatch):  # noqa: F811
+    endpoint, client = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     out = tmp_path / "results"
     proc = subprocess.run(
         [
@@ -34,6 +40,10 @@ def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
             str(REPO),
             "--name",
             "dag-test",
+            "--layout",
+            "tar",
+            "--latents-remote",
+            "s3://sdpipe/latents",
         ],
         capture_output=True,
         text=True,
@@ -57,6 +67,14 @@ def test_the_tiny_job_runs_every_stage_and_reports_their_times(tmp_path):
     assert "| **whole DAG** |" in table
     project = tmp_path / "work" / "tiny" / "project"
     assert not (project / "sdpipe").exists() and (project / "models" / "tiny" / "model_index.json").is_file()
+    raw = project / "data" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == ["000000.tar"]  # 48 images, one shard, no loose files
+    assert json.loads((project / "results" / "prepare" / "summary.json").read_text())["accepted"] == 48
+    remote = res["from_remote"]
+    assert remote["samples_per_s"] > 0 and remote["fetched_a_subset_of_local"] and remote["fetched_files"] >= 4
+    published = {o["Key"] for o in client.list_objects_v2(Bucket="sdpipe")["Contents"]}
+    assert {"latents/latents/index.json", "latents/text/index.json"} <= published
+    assert "latents.remote" in table
 
 
 def test_the_peer_scripts_progress_bar_gives_start_up_and_steady_rate():

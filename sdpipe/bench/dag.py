@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sdpipe import config, io
+from sdpipe.bench import dag_data
 from sdpipe.errors import UserError
 
 log = logging.getLogger("sdpipe.bench")
@@ -53,6 +54,13 @@ JOBS = {
     "tiny": Job("sd15-full", "tiny", 32, 48, 8, 12, 4),  # a CPU smoke run of the same path (tests)
 }
 BENCH_CONFIG = "bench.yaml"
+SHORT_RUN_STEPS = 20  # the warm start's and the run from latents.remote's
+
+
+@dataclass(frozen=True)
+class DataSetup:
+    layout: str = "files"  # files: a JPEG and its .txt each; tar: webdataset shards (dag_data.pack_tar)
+    latents_remote: str | None = None  # latents.remote: publish the latent cache there, then train from it
 
 
 def bench_config(job: Job) -> dict:
@@ -83,7 +91,9 @@ def bench_config(job: Job) -> dict:
     return out
 
 
-def make_project(job: Job, folder: Path, source: Path, images: int, single_file: bool = False) -> dict:
+def make_project(
+    job: Job, folder: Path, source: Path, images: int, single_file: bool = False, data: DataSetup | None = None
+) -> dict:
     """Write the images and captions and save the model as a user has them (a diffusers folder, or one .safetensors
     in the original SD layout, as from Civitai), then `sdpipe init` the project from the job's template; return the
     seconds each took. A single file's configs come from the preset's folder, as `sdpipe fetch-model` would fetch
@@ -97,6 +107,9 @@ def make_project(job: Job, folder: Path, source: Path, images: int, single_file:
     raw = write_jpegs(folder / "data" / "raw", images, job.resolution)
     for i, image in enumerate(sorted(raw.glob("*.jpg"))):
         image.with_suffix(".txt").write_text(f"a photo of coloured circles, picture {i}\n")
+    data = data or DataSetup()
+    if data.layout == "tar":
+        dag_data.pack_tar(raw)
     made_images = time.perf_counter()
     preset = folder / "models" / job.preset
     sdpipe("build-model", "--preset", job.preset, "--out", str(preset))
@@ -108,6 +121,8 @@ def make_project(job: Job, folder: Path, source: Path, images: int, single_file:
         extra = {"model": {"single_file_config": str(preset)}}
     made_model = time.perf_counter()
     project.init(folder, job.template, raw, str(model), PROMPTS, source=source)
+    if data.latents_remote:
+        extra = config.merge(extra, {"latents": {"remote": data.latents_remote}})
     io.write_yaml(folder / BENCH_CONFIG, config.merge(bench_config(job), extra))
     return {"images_s": round(made_images - start, 3), "model_s": round(made_model - made_images, 3)}
 
@@ -148,47 +163,6 @@ def stage_seconds(project: Path) -> dict[str, float]:
         if rows:
             out[tsv.stem] = round(float(rows[-1]["s"]), 3)
     return out
-
-
-def warm_start(project: Path, steps: int = 20) -> dict:
-    """A second, short training run of the same config into another folder: its first step with the compile
-    caches the first run left in the project's cache/."""
-    out = project / "results" / "warm-start"
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "sdpipe",
-        "train",
-        "--config",
-        "results/config.resolved.yaml",
-        "--set",
-        f"train.max_steps={steps}",
-        "--set",
-        "train.resume=null",
-        "--set",
-        "train.checkpoint_every=0",
-        "--set",
-        "train.validation.every=0",
-        "--set",
-        "train.save_final=false",
-        "--set",
-        "train.log_every=5",
-        "--index",
-        "results/latents/index.json",
-        "--out",
-        str(out),
-        "--summary",
-        str(out / "summary.json"),
-    ]
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=project, check=True, capture_output=True)
-    summary = io.read_json(out / "summary.json")
-    return {
-        "steps": steps,
-        "stage_s": round(time.perf_counter() - start, 3),
-        **{k: summary.get(k) for k in ("time_to_first_step_s", "compile_s", "warmup_s", "samples_per_s")},
-    }
 
 
 def collect(project: Path, wall: float) -> dict:
@@ -237,25 +211,34 @@ def collect(project: Path, wall: float) -> dict:
     }
 
 
-def run_job(
-    name: str, job: Job, work: Path, source: Path, warm: bool, extra: list[str], single_file: bool = False
-) -> dict:
+def run_job(name: str, job: Job, work: Path, source: Path, args, data: DataSetup, single_file: bool = False) -> dict:
     folder = work / name
+    project = folder / "project"
     folder.mkdir(parents=True, exist_ok=True)
     log.info(
-        "bench-dag %s: making the project (%d images at %d px, preset %s)", name, job.images, job.resolution, job.preset
+        "bench-dag %s: making the project (%d images at %d px, preset %s, %s layout)",
+        name,
+        job.images,
+        job.resolution,
+        job.preset,
+        data.layout,
     )
-    setup = make_project(job, folder / "project", source, job.images, single_file)
+    setup = make_project(job, project, source, job.images, single_file, data)
     log.info("bench-dag %s: snakemake --profile runpod", name)
-    wall = run_snakemake(folder / "project", folder / "snakemake.log", extra)
+    wall = run_snakemake(project, folder / "snakemake.log", args.snakemake_arg)
     result = {
         "job": asdict(job),
         "model_format": "single file" if single_file else "diffusers folder",
+        "data": asdict(data),
         "setup_s": setup,
-        **collect(folder / "project", wall),
+        **collect(project, wall),
     }
-    if warm:
-        result["warm_start"] = warm_start(folder / "project")
+    if not args.no_warm_start:
+        # a second, short run: its first step with the compile caches the first run left in the project's cache/
+        result["warm_start"] = dag_data.train_again(project, "warm-start", SHORT_RUN_STEPS)
+    if data.latents_remote:
+        log.info("bench-dag %s: training again with the latent cache only on %s", name, data.latents_remote)
+        result["from_remote"] = dag_data.train_from_remote(project, SHORT_RUN_STEPS)
     log.info("bench result: %s %s", name, result)
     return result
 
@@ -289,6 +272,18 @@ def add_arguments(p) -> None:
         help="diffusers' train_text_to_image.py, to run on each sd15 job's images and model after its DAG",
     )
     p.add_argument("--baseline-steps", type=int, help="steps of that run (default: the job's; fewer are projected)")
+    p.add_argument(
+        "--layout",
+        choices=["files", "tar"],
+        default="files",
+        help="the images as loose files with sidecar captions, or as webdataset tar shards of 256",
+    )
+    p.add_argument(
+        "--latents-remote",
+        metavar="S3_URL",
+        help="set latents.remote (s3://bucket/prefix; endpoint and keys from AWS_*), then train once more with the "
+        "local latent cache moved aside, as a second node would",
+    )
     p.add_argument("--snakemake-arg", action="append", default=[], help="passed on to snakemake; repeatable")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="dag", help="results file stem")
@@ -324,13 +319,17 @@ def run(args) -> int:
             res = {
                 "job": asdict(job),
                 "setup_s": make_project(
-                    job, work / name / "project", source, job.images, args.model_format == "single-file"
+                    job,
+                    work / name / "project",
+                    source,
+                    job.images,
+                    args.model_format == "single-file",
+                    DataSetup(args.layout, args.latents_remote),
                 ),
             }
         else:
-            res = run_job(
-                name, job, work, source, not args.no_warm_start, args.snakemake_arg, args.model_format == "single-file"
-            )
+            data = DataSetup(args.layout, args.latents_remote)
+            res = run_job(name, job, work, source, args, data, args.model_format == "single-file")
         if args.baseline_script and job.preset == "sd15":
             res["baseline"] = peer.run(
                 args.baseline_script.resolve(),

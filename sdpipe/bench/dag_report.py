@@ -27,9 +27,11 @@ def stage_table(res: dict) -> list[str]:
 def job_lines(name: str, res: dict) -> list[str]:
     j, t, e, ev = res["job"], res["train"], res["export"], res["evaluate"]
     share = res["non_training_share"]
+    layout = (res.get("data") or {}).get("layout", "files")
     lines = (
         [
-            f"### {name}: {j['images']} JPEGs at {j['resolution']} px, template {j['template']} on the random-init "
+            f"### {name}: {j['images']} JPEGs at {j['resolution']} px"
+            f"{' in webdataset tar shards' if layout == 'tar' else ''}, template {j['template']} on the random-init "
             f"{j['preset']} preset, batch {j['batch']}, {j['steps']} steps",
             "",
         ]
@@ -53,8 +55,9 @@ def job_lines(name: str, res: dict) -> list[str]:
         w = res["warm_start"]
         lines.append(
             f"- Second run, compile caches warm: first optimizer step after {_f(w['time_to_first_step_s'])} s "
-            f"(compiling {_f(w['compile_s'])} s)."
+            f"(compiling {_f(w['compile_s'])} s); steady {_f(w['samples_per_s'])} samples/s over {w['steps']} steps."
         )
+    lines += remote_lines(res)
     verified = [k for k, v in e.items() if isinstance(v, dict) and v["verified"]]
     diffs = ", ".join(f"{k} {v['mean_abs_diff']}" for k, v in e.items() if isinstance(v, dict))
     lines.append(
@@ -66,6 +69,18 @@ def job_lines(name: str, res: dict) -> list[str]:
     )
     lines.append(f"- Latent caching: {_f(res['latents']['images_per_s'])} images/s after warm-up.")
     return lines
+
+
+def remote_lines(res: dict) -> list[str]:
+    r = res.get("from_remote")
+    if not r:
+        return []
+    return [
+        f"- Training with no local latent cache, every shard fetched from latents.remote "
+        f"({res['data']['latents_remote']}) on first use: first optimizer step after "
+        f"{_f(r['time_to_first_step_s'])} s, steady {_f(r['samples_per_s'])} samples/s over {r['steps']} steps; "
+        f"{r['fetched_files']} of {r['local_files']} store files fetched ({r['fetched_mb']} MB)."
+    ]
 
 
 def baseline_lines(res: dict) -> list[str]:
