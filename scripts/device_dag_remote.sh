@@ -27,7 +27,7 @@ for run in "$@"; do
   status=0
   sdpipe bench-dag --source . --layout tar --latents-remote "s3://bench/$name" --out "$OUT" --commit "$commit" \
     --work "/tmp/dag-$name" $run || status=$?
-  tar czf "$OUT/logs-$name.tgz" -C "/tmp/dag-$name" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.jpg' \
-    --exclude=cache --exclude=models --exclude=checkpoints --exclude='*.bin' --exclude=tokenizer . 2>/dev/null || true
+  (cd "/tmp/dag-$name" && tar czf "$OUT/logs-$name.tgz" ./*/snakemake.log ./*/project/logs ./*/project/benchmarks \
+    ./*/project/results/*/summary.json ./*/project/results/*/metrics.json) 2>/dev/null || true
   [ "$status" = 0 ] || exit "$status"
 done

@@ -194,7 +194,10 @@ def collect(project: Path, wall: float) -> dict:
                 "peak_memory_mb",
             )
         },
-        "latents": {k: latents.get(k) for k in ("items", "encoded", "images_per_s", "batch_sizes", "seconds")},
+        "latents": {
+            k: latents.get(k)
+            for k in ("items", "encoded", "images_per_s", "images_per_s_after_warmup", "batch_sizes", "seconds")
+        },
         "export": {
             name: {k: f[k] for k in ("verified", "mean_abs_diff", "max_abs_diff")}
             for name, f in export["formats"].items()

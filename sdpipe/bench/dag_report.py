@@ -67,7 +67,11 @@ def job_lines(name: str, res: dict) -> list[str]:
         f"- Evaluation: {ev['images']} images at {_f(ev['images_per_s'], '.2f')} images/s after warm-up; "
         f"model loading {_f(ev['load_s'])} s, warm-up {_f(ev['warmup_s'])} s."
     )
-    lines.append(f"- Latent caching: {_f(res['latents']['images_per_s'])} images/s after warm-up.")
+    lat = res["latents"]
+    lines.append(
+        f"- Latent caching: {_f(lat.get('images_per_s_after_warmup'))} images/s after warm-up; "
+        f"{_f(lat['images_per_s'])} images/s over the stage's {_f(lat['seconds'])} s of encoding, start-up included."
+    )
     return lines
 
 
