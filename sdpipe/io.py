@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+# One encoder for every row: json.dumps with options builds a new one per call.
+_sorted_json = json.JSONEncoder(sort_keys=True).encode
 # mkstemp makes 0600 files; give ours the permissions an ordinary open() would (read once: umask is process-wide).
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -52,7 +54,28 @@ def read_json(path: str | Path) -> Any:
 
 
 def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
-    write_text(path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    """One row a line, written as it goes: 10^6 rows never sit in memory as one string."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(_sorted_json(row) + "\n" for row in rows)
+
+
+def write_json_streamed(path: str | Path, obj: dict, lists: dict[str, Iterable]) -> None:
+    """`obj` with the long lists in `lists` (key -> rows) added, as compact JSON (json.dumps(sort_keys=True,
+    indent=None) gives the same text), written a row at a time: the rows may come from a generator, and the whole
+    text is never one string in memory."""
+    keys = sorted(set(obj) | set(lists))
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("{")
+        for n, key in enumerate(keys):
+            f.write(("" if n == 0 else ", ") + json.dumps(key) + ": ")
+            if key not in lists:
+                f.write(_sorted_json(obj[key]))
+                continue
+            f.write("[")
+            for i, row in enumerate(lists[key]):
+                f.write(("" if i == 0 else ", ") + _sorted_json(row))
+            f.write("]")
+        f.write("}\n")
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -83,6 +83,17 @@ class KVStore:
                 log.warning("cache %s: entry %s is damaged; computing it again", self.path, key)
         return out
 
+    def items(self, table: str) -> dict[str, Any]:
+        """Every entry of the table (for small tables: one row per container, not per image)."""
+        rows = self._guarded(lambda db: db.execute(f"SELECT key, value FROM {table}").fetchall())
+        out = {}
+        for key, text in rows:
+            try:
+                out[key] = json.loads(text)
+            except ValueError:
+                log.warning("cache %s: entry %s is damaged; computing it again", self.path, key)
+        return out
+
     def get(self, table: str, key: str) -> Any | None:
         return self.get_many(table, [key]).get(key)
 

@@ -105,8 +105,38 @@ def _identity(container: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-@functools.lru_cache(maxsize=64)
+# (container, size, mtime_ns) -> (members, problem), for the life of the process: prepare walks every shard three
+# times (listing, stats, sidecars), and a bounded cache smaller than the shard count re-parsed each one every time.
+# prepare keeps them across runs too (prepare/memo.py).
+# A container that cannot be read at all is remembered as its ShardError, for this process only.
+_INDEXES: dict[tuple[str, int, int], tuple[dict[str, tuple], str | None] | ShardError] = {}
+
+
 def _index(container: Path, size: int, mtime_ns: int) -> tuple[dict[str, tuple], str | None]:
+    key = (str(container), size, mtime_ns)
+    found = _INDEXES.get(key)
+    if found is None:
+        try:
+            found = _INDEXES[key] = _read_index(container, size)
+        except ShardError as exc:
+            _INDEXES[key] = exc
+            raise
+    if isinstance(found, ShardError):
+        raise found
+    return found
+
+
+def parsed_indexes() -> dict[tuple[str, int, int], tuple[dict[str, tuple], str | None]]:
+    """Every readable container's index this process holds, by (path, size, mtime_ns)."""
+    return {key: found for key, found in _INDEXES.items() if not isinstance(found, ShardError)}
+
+
+def remember_index(path: str, size: int, mtime_ns: int, members: dict[str, tuple], problem: str | None) -> None:
+    """Give the index of a container read before (by a memo that checked its size and mtime)."""
+    _INDEXES[(path, size, mtime_ns)] = (members, problem)
+
+
+def _read_index(container: Path, size: int) -> tuple[dict[str, tuple], str | None]:
     if container.name.endswith(tables.SUFFIX):
         try:
             return tables.index(container), None

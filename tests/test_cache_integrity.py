@@ -77,3 +77,22 @@ def test_verified_shards_are_not_read_again_until_they_change(tmp_path, monkeypa
     st = shards[1].stat()
     os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # past the clock's tick, as a later write is
     assert store.set_aside_damaged() == [shards[1].name] and read == [shards[1].name]
+
+
+def test_the_store_lists_its_keys_from_its_index_until_its_shards_change(tmp_path, monkeypatch):
+    """Issue 30: a rerun over 10^6 cached keys read every shard header (0.5 GB and seconds); the index answers while
+    it names exactly the shards present, and a shard it does not know sends the store back to the headers."""
+    from sdpipe import cache_store
+
+    store = ShardStore(tmp_path / "store")
+    store.write_shard({"a": {"x": torch.zeros(2)}, "b": {"x": torch.ones(2)}})
+    where = store.compact()
+    read = []
+    real = cache_store._tensor_names
+    monkeypatch.setattr(cache_store, "_tensor_names", lambda shard: read.append(shard.name) or real(shard))
+    assert store.scan() == where == {"a": next(iter(where.values())), "b": next(iter(where.values()))}
+    assert read == []
+    newer = store.write_shard({"c": {"x": torch.ones(1)}})  # a worker's new shard, not yet in the index
+    assert store.scan() == where | {"c": newer.name} and len(read) == 2
+    (tmp_path / "store" / "index.json").write_text("{ half")  # a damaged index is no answer either
+    assert store.scan() == where | {"c": newer.name}

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from sdpipe import config, sources
+from sdpipe.prepare import files, memo
 from sdpipe.train.data import LatentData
 from tests.conftest import cache_latents, small_config
 from tests.test_prepare import noise, put, run_prepare, solid
@@ -102,3 +103,24 @@ def test_read_bytes_of_a_member_and_of_a_file(tmp_path):
         raise AssertionError("a missing member must be an OSError")
     shutil.copy(tmp_path / "a.tar", tmp_path / "b.tar")
     assert sources.members(tmp_path / "b.tar") == sources.members(tmp_path / "a.tar")
+
+
+def test_a_rerun_parses_no_unchanged_shard_and_reads_no_unchanged_sidecar(tmp_path, monkeypatch):
+    """Issue 30: prepare keeps each shard's member index and each sidecar's text under their stat, so a rerun over
+    10^3 shards neither walks their headers nor opens their captions; a rewritten shard is read again."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    shards(raw)
+    first, _, _ = run_prepare(raw, out)
+    parsed, sidecars_read = [], []
+    real_index, real_read = sources._tar_index, files.read_sidecar
+    monkeypatch.setattr(sources, "_tar_index", lambda shard, size: parsed.append(shard.name) or real_index(shard, size))
+    monkeypatch.setattr(memo, "read_sidecar", lambda path: sidecars_read.append(path.name) or real_read(path))
+    monkeypatch.setattr(sources, "_INDEXES", {})  # a new process: only the memo in cache/ remembers
+    assert run_prepare(raw, out)[0] == first
+    assert parsed == ["broken.tar"] and sidecars_read == []  # no tar at all: tried again, once a run
+
+    write_shard(raw / "shards" / "000000.tar", {"0001.png": noise((48, 40), seed=1), "0001.txt": b"a new caption"})
+    monkeypatch.setattr(sources, "_INDEXES", {})
+    rows = {r["path"]: r for r in run_prepare(raw, out)[0]}
+    assert sorted(parsed) == ["000000.tar", "broken.tar", "broken.tar"] and sidecars_read == ["0001.txt"]
+    assert rows["shards/000000.tar/0001.png"]["sidecar"] == "a new caption"

@@ -29,8 +29,13 @@ def check_buckets(rows: list[dict], factor: int) -> None:
 
 
 def text_key(caption: str, model: dict, dtype: str) -> str:
-    return hashing.key_of(
-        "text", CACHE_VERSION, caption, model["text_sha256"], model["variant"], dtype, model["family"]
+    return text_keyer(model, dtype)(caption)
+
+
+def text_keyer(model: dict, dtype: str) -> Callable[[str], str]:
+    """caption -> its text key, the model's parts serialised once."""
+    return hashing.key_with(
+        "text", CACHE_VERSION, hashing.SLOT, model["text_sha256"], model["variant"], dtype, model["family"]
     )
 
 
@@ -38,20 +43,21 @@ def plan(
     lat: LatentsConfig,
     background: tuple[int, ...],
     rows: list[dict],
-    captions: dict[str, dict],
+    captions: dict[str, str | None],
     model: dict,
     file_of: Callable[[dict], str],
     mask_origin: Callable[[dict], dict] | None = None,
 ):
     """Return (items for the training index, image jobs, text jobs, failures) with every cache key filled in.
 
-    `lat` is the latents section, `background` prepare.alpha_background, `model` what describe_model found,
+    `lat` is the latents section, `background` prepare.alpha_background, `captions` image id -> caption, `model`
+    what describe_model found,
     `file_of` where a manifest row's image is, and `mask_origin` where its loss mask comes from (None: no masks;
     sdpipe.latents.masks). Mask jobs ("kind": "mask") are listed with the image jobs: both go to the latent store."""
     items, images, texts, failed = [], {}, {}, []
 
     @functools.cache  # one per bucket and flip, not one per image: 10^6 images share a few dozen
-    def preprocess(bucket: tuple[int, int], flip: bool) -> tuple[Preprocess, dict]:
+    def preprocess(bucket: tuple[int, int], flip: bool) -> tuple[Preprocess, dict, Callable[[str], str]]:
         p = Preprocess(
             bucket=bucket,
             resize=lat.resize,
@@ -60,17 +66,22 @@ def plan(
             flip=flip,
             background=background,
         )
-        return p, p.as_key()
+        pre = p.as_key()
+        latent_key = hashing.key_with(
+            "latent", CACHE_VERSION, hashing.SLOT, pre, model["vae_sha256"], model["variant"], lat.dtype
+        )
+        return p, pre, latent_key
 
+    text_key_of = text_keyer(model, lat.dtype)
     # The empty caption too: training replaces a share of captions with it (caption dropout, for CFG).
-    texts[text_key("", model, lat.dtype)] = {"kind": "text", "key": text_key("", model, lat.dtype), "caption": ""}
+    texts[text_key_of("")] = {"kind": "text", "key": text_key_of(""), "caption": ""}
     for row in rows:
-        caption = captions.get(row["id"], {}).get("caption")
+        caption = captions.get(row["id"])
         if not caption:
             failed.append({"path": row["path"], "reason": "no caption (see results/captions/captions.jsonl)"})
             continue
         shuffled = tags.variants(caption, lat.tags)
-        keys = [text_key(text, model, lat.dtype) for text in shuffled]
+        keys = [text_key_of(text) for text in shuffled]
         texts |= {key: {"kind": "text", "key": key, "caption": text} for key, text in zip(keys, shuffled)}
         caption_key = keys[0]
         item = {
@@ -91,10 +102,8 @@ def plan(
         }  # SDXL's size conditioning is (h, w)
         where = mask_origin(row) if mask_origin else None
         for flip in [False, True] if lat.flip else [False]:
-            p, pre = preprocess(tuple(row["bucket"]), flip)
-            key = hashing.key_of(
-                "latent", CACHE_VERSION, row["id"], pre, model["vae_sha256"], model["variant"], lat.dtype
-            )
+            p, pre, latent_key = preprocess(tuple(row["bucket"]), flip)
+            key = latent_key(row["id"])
             item["flip_key" if flip else "latent_key"] = key
             if not flip:
                 (resized_w, _), top, left = crop_box(row["width"], row["height"], p, row["id"])

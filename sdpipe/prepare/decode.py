@@ -33,7 +33,7 @@ DECODED, FILE_IDS = "decoded", "file_ids"  # decode results by key; [stat, conte
 @functools.cache
 def _store(db: str) -> KVStore:
     """The cache file's store: one connection per process, kept open."""
-    return KVStore(db, (DECODED, FILE_IDS))
+    return KVStore(db, (DECODED, FILE_IDS, "containers", "sidecars"))  # the last two: prepare/memo.py
 
 
 def decode_key(image_id: str, params: dict) -> str:
@@ -121,7 +121,10 @@ def inspect_all(raw: Path, rels: list[str], params: dict, cache_dir: str, worker
     cached, are answered from the cache without a read; the rest are read and hashed, in a process pool when there
     are enough of them to pay for one."""
     db = str(Path(cache_dir) / CACHE_FILE)
-    paths = [str(raw / rel) for rel in rels]
+    from sdpipe.prepare.files import under
+
+    path_of = under(raw)
+    paths = [path_of(rel) for rel in rels]
     results = _from_memo(paths, params, db)
     todo = [i for i, r in enumerate(results) if r is None]
     if len(todo) < len(paths):

@@ -10,6 +10,7 @@ import functools
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from sdpipe import sources, tables
 
@@ -48,6 +49,16 @@ def scan(
                 for one in names:
                     (sidecars if split_name(one)[2].lower() in captions else images).append(one)
     return sorted(images), sorted(sidecars)
+
+
+def under(raw: Path) -> Callable[[str], str]:
+    """rel -> str(raw / rel), without a Path object per call (prepare joins 10^6 paths); rel is a clean posix
+    path from scan()."""
+    root = str(raw)
+    if root == ".":
+        return lambda rel: rel
+    root = root.rstrip("/") + "/"
+    return lambda rel: root + rel
 
 
 def split_name(rel: str) -> tuple[str, str, str]:

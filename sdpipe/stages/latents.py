@@ -19,7 +19,7 @@ from sdpipe.errors import UserError
 from sdpipe.latents import masks
 from sdpipe.latents.plan import check_buckets, plan, text_key
 from sdpipe.records import LatentIndex
-from sdpipe.stages import image_file, read_upstream
+from sdpipe.stages import image_files, read_upstream
 
 if TYPE_CHECKING:
     from sdpipe.config import Config
@@ -81,13 +81,21 @@ def _fixed(lat):
     return dataclasses.replace(lat, flip=False, tags=dataclasses.replace(lat.tags, shuffle=False, dropout=0.0))
 
 
+# The manifest fields the plan reads: a row is held with these alone (10^6 rows).
+MANIFEST_FIELDS = ("id", "path", "file", "role", "loss_weight", "bucket", "repeats", "height", "width", "split")
+
+
+def _planned_fields(row: dict) -> dict:
+    return {k: row[k] for k in MANIFEST_FIELDS if k in row}
+
+
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    manifest = read_upstream(inputs["manifest"], "prepare")
+    manifest = read_upstream(inputs["manifest"], "prepare", keep=_planned_fields)
     rows = [r for r in manifest if r["split"] == "train"]
-    captions = {c["id"]: c for c in read_upstream(inputs["captions"], "caption")}
+    captions = dict(read_upstream(inputs["captions"], "caption", keep=lambda c: (c["id"], c.get("caption"))))
     model = describe_model(cfg)
     check_buckets(rows, model_facts.bucket_multiple(*model_facts.configs(cfg, convert=True)))
-    file_of = lambda row: image_file(cfg, row)
+    file_of = image_files(cfg)
     m = cfg.data.masks
     mask_origin = None if m.source == "none" else lambda row: masks.origin(m.source, Path(file_of(row)), m.suffix)
     background = tuple(cfg.prepare.alpha_background)
@@ -132,12 +140,15 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     worker_failed = [f for r in results for f in r["failed"]]
     wheres = {kind: store.compact() for kind, store in stores.items()}
     remotes = publish(cfg, stores)
-    summary = _finish(cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results)
+    kept_eval = _heldout(eval_items, wheres, eval_failed + worker_failed) if held else None
+    summary = _finish(
+        cfg, outputs, model, items, todo, failed + worker_failed, wheres, devices, seconds, results, kept_eval
+    )
     extra = {"masks": mask_summary} if mask_summary else {}
     if remotes:
         extra["remote"] = remotes
     if held:
-        extra["heldout_images"] = _add_heldout(outputs["index"], eval_items, wheres, eval_failed + worker_failed)
+        extra["heldout_images"] = len(kept_eval or [])
     if extra:
         io.write_json(outputs["summary"], summary | extra)
     return summary | extra
@@ -189,11 +200,13 @@ def _worker_settings(cfg: Config, root: Path, processes: int) -> dict:
     }
 
 
-def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, seconds, results) -> dict:
+def _finish(
+    cfg: Config, outputs, model, items, todo, failed, wheres, devices, seconds, results, eval_items=None
+) -> dict:
     bad_paths = {f["path"] for f in failed}
     kept = [it for it in items if it["path"] not in bad_paths and _present(it, wheres)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
-    encoded = len({it["id"] for it in kept} & encoded_ids)
+    encoded = sum(it["id"] in encoded_ids for it in kept)
     index: LatentIndex = {
         "version": latent_index.VERSION,
         "model": model,
@@ -201,10 +214,11 @@ def _finish(cfg: Config, outputs, model, items, todo, failed, wheres, devices, s
         "empty_text_key": text_key("", model, cfg.latents.dtype),
         "text_store": str(Path(cfg.cache_dir) / "text"),
         "remote_stores": remote_stores(cfg),
-        "items": kept,
+        "items": [],  # written row by row below: 10^6 items are never one JSON string in memory
         "failed": failed,
     }
-    io.write_json(outputs["index"], index, indent=None)  # 10^6 items: json's C encoder works only without indent
+    lists = {"items": kept} | ({"eval_items": eval_items} if eval_items is not None else {})
+    io.write_json_streamed(outputs["index"], {k: v for k, v in index.items() if k not in lists}, lists)
     summary = {
         "items": len(kept),
         "encoded": encoded,
@@ -243,15 +257,13 @@ def _present(item: dict, wheres: dict) -> bool:
     )
 
 
-def _add_heldout(index_path: Path, eval_items: list, wheres: dict, failed: list) -> int:
-    """Put the held-out images that were encoded into the index as "eval_items"; how many."""
+def _heldout(eval_items: list, wheres: dict, failed: list) -> list:
+    """The held-out images that were encoded, for the index's "eval_items"."""
     bad = {f["path"] for f in failed}
     kept = [it for it in eval_items if it["path"] not in bad and _present(it, wheres)]
-    index = io.read_json(index_path)
-    io.write_json(index_path, index | {"eval_items": kept}, indent=None)
     if len(kept) < len(eval_items):
         log.warning("latents: %d held-out image(s) could not be encoded", len(eval_items) - len(kept))
-    return len(kept)
+    return kept
 
 
 def _mask_summary(cfg: Config, image_jobs: list[dict], computed: list[dict]) -> dict | None:

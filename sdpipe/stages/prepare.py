@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 from sdpipe import io
 from sdpipe.errors import UserError
+from sdpipe.prepare import memo
 from sdpipe.prepare.decode import inspect_all
-from sdpipe.prepare.files import extension_warning, kohya_folder, match_sidecars, read_sidecar, scan, split_of
+from sdpipe.prepare.files import extension_warning, kohya_folder, match_sidecars, scan, split_of, under
 from sdpipe.records import MANIFEST_VERSION, ManifestRow
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ def collect(cfg: Config, raw: Path, rels: list[str], results: list[dict], sideca
 
     b = cfg.prepare.buckets
     buckets = make_buckets(b.resolution, b.step, b.max_aspect)
-    out, first_path = Outcome(), {}
+    out, first_path, path_of = Outcome(), {}, under(raw)
+    wanted = [path_of(sidecar_of[rel]) for rel, res in zip(rels, results) if "reason" not in res and rel in sidecar_of]
+    texts = memo.read_sidecars(wanted, cfg.cache_dir)
     for rel, res in zip(rels, results):
         if "reason" in res:
             out.rejected.append({"path": rel, "reason": res["reason"]})
@@ -75,18 +78,28 @@ def collect(cfg: Config, raw: Path, rels: list[str], results: list[dict], sideca
             first_path[res["id"]] = rel
             out.reused += res["reused"]
             out.decoded += not res["reused"]
-            out.rows.append(_row(cfg, raw, rel, res["id"], res, sidecar_of.get(rel), buckets, out))
+            side = sidecar_of.get(rel)
+            text = texts[path_of(side)] if side else (None, None)
+            out.rows.append(_row(cfg, path_of(rel), rel, res["id"], res, side, text, buckets, out))
     return out
 
 
 def _row(
-    cfg: Config, raw: Path, rel: str, image_id: str, info: dict, sidecar: str | None, buckets, out: Outcome
+    cfg: Config,
+    file: str,
+    rel: str,
+    image_id: str,
+    info: dict,
+    sidecar: str | None,
+    read: tuple[str | None, str | None],
+    buckets,
+    out: Outcome,
 ) -> ManifestRow:
+    """The manifest row of an accepted image; `read` is its sidecar's (text, reason it cannot be used)."""
     from sdpipe.buckets import assign_bucket
 
-    text = None
+    text, reason = read
     if sidecar:
-        text, reason = read_sidecar(raw / sidecar)
         if reason:
             if not any(r["path"] == sidecar for r in out.rejected):  # two images sharing a stem share a sidecar
                 out.rejected.append({"path": sidecar, "reason": reason})
@@ -98,7 +111,7 @@ def _row(
         "version": MANIFEST_VERSION,
         "id": image_id,
         "path": rel,
-        "file": str(raw / rel),
+        "file": file,
         "role": "instance",
         **{k: info[k] for k in DECODED_KEYS},
         "bucket": list(assign_bucket(info["width"], info["height"], buckets)),
@@ -325,6 +338,7 @@ def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict],
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     broken: list[dict] = []
+    seeded = memo.seed_containers(cfg.cache_dir)
     raw, images, sidecars = _candidates(cfg, broken)
     params = validation_params(cfg)
     workers = cfg.prepare.workers or os.cpu_count() or 1
@@ -362,4 +376,5 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     io.write_jsonl(outputs["manifest"], rows)
     io.write_jsonl(outputs["rejected"], out.rejected)
     io.write_json(outputs["summary"], summary)
+    memo.save_containers(cfg.cache_dir, seeded)
     _log_outcome(out, summary, Path(outputs["manifest"]))
