@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 30 on a GPU machine: the whole DAG (`sdpipe bench-dag`, through `snakemake --profile runpod`) from
-# webdataset tar shards, its latent cache published to a loopback S3 server (moto), then training again with the
-# local cache moved aside, every shard fetched from that server, as a second node would.
+# webdataset tar shards in a bucket of a loopback S3 server (moto), which prepare mirrors (data.raw_remote), its
+# latent cache published to the same server, then training again with the local cache moved aside, every shard
+# fetched from that server, as a second node would.
 # Here: S3_SERVER=1 LEAN=1 scripts/device_wheels.sh. There, with .whl carried:
 #   scripts/device_dag_remote.sh COMMIT "BENCH-DAG ARGS" ["BENCH-DAG ARGS" ...]
 # Each argument is one bench-dag run (e.g. "--job tiny --name dag-tiny-tar-s3"); results, logs and the S3
@@ -25,8 +26,8 @@ for run in "$@"; do
   name=$(sed -E 's/.*--name ([^ ]+).*/\1/' <<< "$run")
   # shellcheck disable=SC2086  # each argument is a list of bench-dag options
   status=0
-  sdpipe bench-dag --source . --layout tar --latents-remote "s3://bench/$name" --out "$OUT" --commit "$commit" \
-    --work "/tmp/dag-$name" $run || status=$?
+  sdpipe bench-dag --source . --layout tar --raw-remote "s3://bench/$name-raw" --latents-remote "s3://bench/$name" \
+    --out "$OUT" --commit "$commit" --work "/tmp/dag-$name" $run || status=$?
   (cd "/tmp/dag-$name" && tar czf "$OUT/logs-$name.tgz" ./*/snakemake.log ./*/project/logs ./*/project/benchmarks \
     ./*/project/results/*/summary.json ./*/project/results/*/metrics.json) 2>/dev/null || true
   [ "$status" = 0 ] || exit "$status"

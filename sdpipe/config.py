@@ -58,6 +58,7 @@ class ConceptConfig:
 @dataclass(frozen=True)
 class DataConfig:
     raw_dir: str
+    raw_remote: str | None
     caption_extensions: list[str]
     concepts: list[ConceptConfig]
     regularisation: list[RegularisationConfig]

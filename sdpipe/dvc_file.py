@@ -124,7 +124,10 @@ def in_file(key: str, written: dict | None) -> bool:
 
 def stage_entry(name: str, stage: Stage, cfg: Config, code: list[str], written: dict | None = None) -> dict:
     base, stage_model = model_paths(cfg)
-    deps = [cfg.data.raw_dir if d == "RAW" else d for d in stage.deps]
+    # With data.raw_remote prepare writes raw_dir itself (its mirror), so it cannot be a DVC dependency; DVC does not
+    # see the prefix change, Snakemake does (docs/stages.md#prepare).
+    raw = [] if cfg.data.raw_remote else [cfg.data.raw_dir]
+    deps = [r for d in stage.deps for r in (raw if d == "RAW" else [d])]
     if name == "prepare" and cfg.dreambooth.enabled and base:
         deps.append(base)  # class images come from the base model
     if name == "prepare":

@@ -83,6 +83,21 @@ class KVStore:
                 log.warning("cache %s: entry %s is damaged; computing it again", self.path, key)
         return out
 
+    def keys(self, table: str) -> list[str]:
+        return [row[0] for row in self._guarded(lambda db: db.execute(f"SELECT key FROM {table}").fetchall())]
+
+    def delete_many(self, table: str, keys: Iterable[str]) -> None:
+        gone = [(key,) for key in keys]
+        if not gone:
+            return
+
+        def work(db):
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.executemany(f"DELETE FROM {table} WHERE key = ?", gone)
+
+        self._guarded(work)
+
     def items(self, table: str) -> dict[str, Any]:
         """Every entry of the table (for small tables: one row per container, not per image)."""
         rows = self._guarded(lambda db: db.execute(f"SELECT key, value FROM {table}").fetchall())

@@ -26,10 +26,10 @@ from sdpipe.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def split(url: str) -> tuple[str, str]:
-    """("bucket", "prefix/") of s3://bucket/prefix."""
+def split(url: str, key: str = "latents.remote") -> tuple[str, str]:
+    """("bucket", "prefix/") of s3://bucket/prefix; `key` names the setting in the error."""
     if not url.startswith("s3://") or len(url) <= 5:
-        raise UserError(f"latents.remote {url!r}: expected s3://bucket/prefix")
+        raise UserError(f"{key} {url!r}: expected s3://bucket/prefix")
     bucket, _, prefix = url[5:].partition("/")
     return bucket, prefix.strip("/") + "/" if prefix.strip("/") else ""
 
@@ -44,7 +44,7 @@ def _client(endpoint: str | None, key_id: str | None):
     try:
         import boto3
     except ImportError as exc:
-        raise UserError("latents.remote needs boto3: pip install 'sdpipe[workflow]'") from exc
+        raise UserError("an s3:// store needs boto3: pip install 'sdpipe[workflow]'") from exc
     return boto3.client("s3", endpoint_url=endpoint)
 
 

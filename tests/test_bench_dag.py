@@ -1,8 +1,9 @@
 """`sdpipe bench-dag` on the CPU: the whole DAG through `snakemake --profile runpod` in a seeded project, and the
 per-stage wall times, steady rates and the warm start it reports (the GPU numbers come from the same code).
 
-The tiny job's images are webdataset tar shards and its latent cache is published to a loopback S3 server, then
-trained from there with no local cache: issue 30's data path, through Snakemake end to end."""
+The tiny job's images are a webdataset tar shard in a bucket on a loopback S3 server, which prepare mirrors
+(data.raw_remote); its latent cache is published to the same server and trained from there with no local cache:
+issue 30's data path, through Snakemake end to end."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.services import s3  # noqa: F401  (the loopback S3 fixture)
 
 
 @pytest.mark.slow
-def test_the_tiny_job_runs_every_stage_from_tar_shards_and_trains_from_s3(tmp_path, s3, monkeypatch):  # noqa: F811
+def test_the_tiny_job_runs_every_stage_from_shards_in_s3_and_trains_from_s3(tmp_path, s3, monkeypatch):  # noqa: F811
     endpoint, client = s3
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     out = tmp_path / "results"
@@ -44,6 +45,8 @@ def test_the_tiny_job_runs_every_stage_from_tar_shards_and_trains_from_s3(tmp_pa
             "tar",
             "--latents-remote",
             "s3://sdpipe/latents",
+            "--raw-remote",
+            "s3://sdpipe/raw",
         ],
         capture_output=True,
         text=True,
@@ -68,12 +71,12 @@ def test_the_tiny_job_runs_every_stage_from_tar_shards_and_trains_from_s3(tmp_pa
     project = tmp_path / "work" / "tiny" / "project"
     assert not (project / "sdpipe").exists() and (project / "models" / "tiny" / "model_index.json").is_file()
     raw = project / "data" / "raw"
-    assert sorted(p.name for p in raw.iterdir()) == ["000000.tar"]  # 48 images, one shard, no loose files
-    assert json.loads((project / "results" / "prepare" / "summary.json").read_text())["accepted"] == 48
+    assert sorted(p.name for p in raw.iterdir()) == ["000000.tar"]  # 48 images, one shard, mirrored from S3
+    assert res["prepare"]["accepted"] == 48 and res["prepare"]["raw_remote"]["downloaded"] == 1
     remote = res["from_remote"]
     assert remote["samples_per_s"] > 0 and remote["fetched_a_subset_of_local"] and remote["fetched_files"] >= 4
     published = {o["Key"] for o in client.list_objects_v2(Bucket="sdpipe")["Contents"]}
-    assert {"latents/latents/index.json", "latents/text/index.json"} <= published
+    assert {"latents/latents/index.json", "latents/text/index.json", "raw/000000.tar"} <= published
     assert "latents.remote" in table
 
 

@@ -61,6 +61,7 @@ SHORT_RUN_STEPS = 20  # the warm start's and the run from latents.remote's
 class DataSetup:
     layout: str = "files"  # files: a JPEG and its .txt each; tar: webdataset shards (dag_data.pack_tar)
     latents_remote: str | None = None  # latents.remote: publish the latent cache there, then train from it
+    raw_remote: str | None = None  # data.raw_remote: the images are moved to this S3 prefix, and prepare mirrors it
 
 
 def bench_config(job: Job) -> dict:
@@ -123,6 +124,9 @@ def make_project(
     project.init(folder, job.template, raw, str(model), PROMPTS, source=source)
     if data.latents_remote:
         extra = config.merge(extra, {"latents": {"remote": data.latents_remote}})
+    if data.raw_remote:
+        dag_data.upload_raw(raw, data.raw_remote)
+        extra = config.merge(extra, {"data": {"raw_remote": data.raw_remote}})
     io.write_yaml(folder / BENCH_CONFIG, config.merge(bench_config(job), extra))
     return {"images_s": round(made_images - start, 3), "model_s": round(made_model - made_images, 3)}
 
@@ -172,6 +176,7 @@ def collect(project: Path, wall: float) -> dict:
     metrics = io.read_json(project / "results" / "evaluate" / "metrics.json")
     export = io.read_json(project / "results" / "export" / "summary.json")
     latents = io.read_json(project / "results" / "latents" / "summary.json")
+    prepared = io.read_json(project / "results" / "prepare" / "summary.json")
     other = sum(v for k, v in stages.items() if k != "train")
     return {
         "dag_s": round(wall, 3),
@@ -194,6 +199,7 @@ def collect(project: Path, wall: float) -> dict:
                 "peak_memory_mb",
             )
         },
+        "prepare": {k: prepared.get(k) for k in ("accepted", "rejected", "raw_remote")},
         "latents": {
             k: latents.get(k)
             for k in ("items", "encoded", "images_per_s", "images_per_s_after_warmup", "batch_sizes", "seconds")
@@ -287,6 +293,12 @@ def add_arguments(p) -> None:
         help="set latents.remote (s3://bucket/prefix; endpoint and keys from AWS_*), then train once more with the "
         "local latent cache moved aside, as a second node would",
     )
+    p.add_argument(
+        "--raw-remote",
+        metavar="S3_URL",
+        help="move the images to this S3 prefix (after --layout packs them) and set data.raw_remote, so prepare "
+        "mirrors them from there",
+    )
     p.add_argument("--snakemake-arg", action="append", default=[], help="passed on to snakemake; repeatable")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="dag", help="results file stem")
@@ -327,11 +339,11 @@ def run(args) -> int:
                     source,
                     job.images,
                     args.model_format == "single-file",
-                    DataSetup(args.layout, args.latents_remote),
+                    DataSetup(args.layout, args.latents_remote, args.raw_remote),
                 ),
             }
         else:
-            data = DataSetup(args.layout, args.latents_remote)
+            data = DataSetup(args.layout, args.latents_remote, args.raw_remote)
             res = run_job(name, job, work, source, args, data, args.model_format == "single-file")
         if args.baseline_script and job.preset == "sd15":
             res["baseline"] = peer.run(

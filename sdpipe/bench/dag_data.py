@@ -1,5 +1,6 @@
-"""`sdpipe bench-dag`'s data at scale (issue 30): the images as webdataset tar shards instead of loose files, and
-training again on a node that has no latent cache, its shards coming from latents.remote."""
+"""`sdpipe bench-dag`'s data at scale (issue 30): the images as webdataset tar shards instead of loose files, in an
+S3 bucket that prepare mirrors (data.raw_remote), and training again on a node that has no latent cache, its shards
+coming from latents.remote."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def pack_tar(raw: Path, per_shard: int = SHARD) -> int:
             image.unlink()
             image.with_suffix(".txt").unlink(missing_ok=True)
     return len(groups)
+
+
+def upload_raw(raw: Path, url: str) -> int:
+    """Move raw's files to the S3 prefix (data.raw_remote), leaving raw empty: the dataset lives in a bucket and
+    prepare mirrors it; how many objects."""
+    from sdpipe import remote_store
+
+    bucket, prefix = remote_store.split(url, "--raw-remote")
+    files = sorted(p for p in raw.rglob("*") if p.is_file())
+    for path in files:
+        remote_store.client().upload_file(str(path), bucket, prefix + path.relative_to(raw).as_posix())
+    shutil.rmtree(raw)
+    raw.mkdir()
+    return len(files)
 
 
 def train_again(project: Path, name: str, steps: int) -> dict:

@@ -76,10 +76,17 @@ def job_lines(name: str, res: dict) -> list[str]:
 
 
 def remote_lines(res: dict) -> list[str]:
+    lines = []
+    mirrored = (res.get("prepare") or {}).get("raw_remote")
+    if mirrored:
+        lines.append(
+            f"- prepare mirrored the images from data.raw_remote ({mirrored['url']}): {mirrored['objects']} objects, "
+            f"{mirrored['downloaded']} downloaded."
+        )
     r = res.get("from_remote")
     if not r:
-        return []
-    return [
+        return lines
+    return lines + [
         f"- Training with no local latent cache, every shard fetched from latents.remote "
         f"({res['data']['latents_remote']}) on first use: first optimizer step after "
         f"{_f(r['time_to_first_step_s'])} s, steady {_f(r['samples_per_s'])} samples/s over {r['steps']} steps; "

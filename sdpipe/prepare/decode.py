@@ -33,7 +33,8 @@ DECODED, FILE_IDS = "decoded", "file_ids"  # decode results by key; [stat, conte
 @functools.cache
 def _store(db: str) -> KVStore:
     """The cache file's store: one connection per process, kept open."""
-    return KVStore(db, (DECODED, FILE_IDS, "containers", "sidecars"))  # the last two: prepare/memo.py
+    # containers and sidecars: prepare/memo.py; mirrored: sdpipe/raw_remote.py
+    return KVStore(db, (DECODED, FILE_IDS, "containers", "sidecars", "mirrored"))
 
 
 def decode_key(image_id: str, params: dict) -> str:

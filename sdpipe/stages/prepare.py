@@ -338,6 +338,11 @@ def regularisation_rows(cfg: Config, instance_samples: int) -> tuple[list[dict],
 
 def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     broken: list[dict] = []
+    mirrored = None
+    if cfg.data.raw_remote:
+        from sdpipe import raw_remote
+
+        mirrored = raw_remote.mirror(cfg.data.raw_remote, Path(cfg.data.raw_dir), cfg.cache_dir)
     seeded = memo.seed_containers(cfg.cache_dir)
     raw, images, sidecars = _candidates(cfg, broken)
     params = validation_params(cfg)
@@ -350,6 +355,8 @@ def run(cfg: Config, inputs: dict[str, Path], outputs: dict[str, Path]) -> None:
     out.rejected.sort(key=lambda r: r["path"])
     _check_usable(cfg, out, len(images))
     summary = summarize(cfg, out, len(images) + len(sidecars), params)
+    if mirrored:
+        summary["raw_remote"] = {"url": cfg.data.raw_remote, **mirrored}
     if cfg.data.concepts:
         summary["concepts"] = apply_concepts(cfg, out.rows)
     rows = out.rows

@@ -107,8 +107,9 @@ STORAGE = workflow.storage_settings.default_storage_provider is not None
 
 
 def raw_files(wildcards):
-    """The raw folder's files, as inputs of the rules that read images, where a storage provider copies them."""
-    return list(_raw_listing()) if STORAGE else []
+    """The raw folder's files, as inputs of the rules that read images, where a storage provider copies them. Not
+    with data.raw_remote: prepare writes that folder, and the data stages read it on their shared volume."""
+    return list(_raw_listing()) if STORAGE and not CFG["data"]["raw_remote"] else []
 
 
 @functools.cache
@@ -122,14 +123,20 @@ def _raw_listing():
 
 
 def raw_state(wildcards):
-    """The fingerprint of data.raw_dir and data.regularisation's folders: prepare reruns when it changes."""
+    """The fingerprint of data.raw_dir (or data.raw_remote's listing) and data.regularisation's folders: prepare
+    reruns when it changes."""
     return _raw_state()
 
 
 @functools.cache
 def _raw_state():
-    folders = [RAW_DIR] + [spec["dir"] for spec in CFG["data"]["regularisation"]]
-    return " ".join(folder_fingerprint(Path(folder)) for folder in folders)
+    folders = [spec["dir"] for spec in CFG["data"]["regularisation"]]
+    if CFG["data"]["raw_remote"]:  # prepare mirrors it into raw_dir: the listing decides, not the mirror
+        from sdpipe import raw_remote
+
+        remote = raw_remote.fingerprint(CFG["data"]["raw_remote"])
+        return " ".join([remote] + [folder_fingerprint(Path(f)) for f in folders])
+    return " ".join(folder_fingerprint(Path(folder)) for folder in [RAW_DIR] + folders)
 
 
 def regularisation_files(wildcards):
