@@ -200,6 +200,7 @@ FIGURES = {
     f"rerun after adding {ADDED} s": lambda r: r["add"]["s"],
     **{f"  of which `{rule}` s": _rule_figure(rule) for rule in ("prepare", "caption", "latents")},
     "peak memory GB (any command)": lambda r: max(r[k]["peak_gb"] for k in TIMED if k in r),
+    f"  of which the rerun after adding {ADDED} GB": lambda r: r["add"]["peak_gb"],
     "cache files": lambda r: r["cache"]["files"],
     "cache GB": lambda r: r["cache"]["bytes"] / 1e9,
     "results files": lambda r: r["results"]["files"],
