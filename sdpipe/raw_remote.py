@@ -62,7 +62,7 @@ def mirror(url: str, raw: Path, cache_dir: str) -> dict:
     from sdpipe.log import progress
     from sdpipe.prepare import decode
 
-    store = decode._store(str(Path(cache_dir) / decode.CACHE_FILE))
+    store = decode.store_in(cache_dir)
     objects = listing(url)
     had = store.get_many(MIRRORED, (rel for rel, _, _ in objects))
     todo = [(rel, size, etag) for rel, size, etag in objects if not _current(raw / rel, had.get(rel), size, etag)]

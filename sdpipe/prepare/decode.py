@@ -37,6 +37,11 @@ def _store(db: str) -> KVStore:
     return KVStore(db, (DECODED, FILE_IDS, "containers", "sidecars", "mirrored"))
 
 
+def store_in(cache_dir: str) -> KVStore:
+    """The prepare cache file of a cache_dir (its memos: prepare/memo.py, sdpipe/raw_remote.py)."""
+    return _store(str(Path(cache_dir) / CACHE_FILE))
+
+
 def decode_key(image_id: str, params: dict) -> str:
     return hashing.key_of("prepare", CACHE_VERSION, image_id, params)
 

@@ -20,14 +20,10 @@ from sdpipe.prepare.files import read_sidecar
 CONTAINERS, SIDECARS = "containers", "sidecars"
 
 
-def _store(cache_dir: str):
-    return decode._store(str(Path(cache_dir) / decode.CACHE_FILE))
-
-
 def seed_containers(cache_dir: str) -> set[tuple[str, int, int]]:
     """Hand sources the indexes saved for containers whose size and mtime are unchanged; their keys."""
     seeded = set()
-    for path, (size, mtime_ns, members, problem) in _store(cache_dir).items(CONTAINERS).items():
+    for path, (size, mtime_ns, members, problem) in decode.store_in(cache_dir).items(CONTAINERS).items():
         try:
             st = Path(path).stat()
         except OSError:
@@ -45,12 +41,12 @@ def save_containers(cache_dir: str, seeded: set[tuple[str, int, int]]) -> None:
         for (path, size, mtime_ns), (members, problem) in sources.parsed_indexes().items()
         if (path, size, mtime_ns) not in seeded
     ]
-    _store(cache_dir).put_many(CONTAINERS, new)
+    decode.store_in(cache_dir).put_many(CONTAINERS, new)
 
 
 def read_sidecars(paths: list[str], cache_dir: str) -> dict[str, tuple[str | None, str | None]]:
     """read_sidecar of each path, from the memo where the file's stat is the one its text was read under."""
-    store = _store(cache_dir)
+    store = decode.store_in(cache_dir)
     memo = store.get_many(SIDECARS, paths)
     out, new = {}, []
     for path in paths:

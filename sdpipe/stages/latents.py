@@ -206,7 +206,7 @@ def _finish(
     bad_paths = {f["path"] for f in failed}
     kept = [it for it in items if it["path"] not in bad_paths and _present(it, wheres)]
     encoded_ids = {j["id"] for j in todo if j["kind"] == "image"} - {f.get("id") for f in failed}
-    encoded = sum(it["id"] in encoded_ids for it in kept)
+    encoded = len({it["id"] for it in kept} & encoded_ids)  # an image at two resolutions (also_at) counts once
     index: LatentIndex = {
         "version": latent_index.VERSION,
         "model": model,
